@@ -195,23 +195,32 @@ def to_table(table: str, rows: Sequence[Mapping[str, Any]] | pa.Table) -> tuple[
     Rows whose values have the wrong type are dropped and reported, field by field; the
     rest are kept. Missing optional fields become null (SGLang's int step fields: -1).
     """
+    data, errors, _ = _to_table(table, rows)
+    return data, errors
+
+
+def _to_table(
+    table: str, rows: Sequence[Mapping[str, Any]] | pa.Table
+) -> tuple[pa.Table, list[RecordError], np.ndarray | None]:
+    """:func:`to_table`, plus the caller's row number of each kept row (None: all kept)."""
     schema = _schema(table)
     if isinstance(rows, pa.Table):
-        return _conform(table, rows), []
+        return _conform(table, rows), [], None
     rows = [_fill_defaults(table, r) for r in rows]
     try:
-        return pa.Table.from_pylist(rows, schema=schema), []
+        return pa.Table.from_pylist(rows, schema=schema), [], None
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
         pass
     # Slow path, only for a batch that holds a bad row: find the bad rows one by one.
-    good, errors = [], []
+    good, kept, errors = [], [], []
     for i, row in enumerate(rows):
         err = _row_type_error(table, schema, i, row)
         if err is None:
             good.append(row)
+            kept.append(i)
         else:
             errors.append(err)
-    return pa.Table.from_pylist(good, schema=schema), errors
+    return pa.Table.from_pylist(good, schema=schema), errors, np.asarray(kept, dtype=np.int64)
 
 
 def _fill_defaults(table: str, row: Mapping[str, Any]) -> dict[str, Any]:
@@ -279,10 +288,14 @@ def _schema(table: str) -> pa.Schema:
 
 def validate(table: str, rows: Sequence[Mapping[str, Any]] | pa.Table) -> tuple[pa.Table, list[RecordError]]:
     """Type-check and rule-check a batch. Returns (valid rows, one error per rejected row)."""
-    data, errors = to_table(table, rows)
-    checks = _RULES[table](data)
-    if not checks:
-        return data, errors
+    data, errors, kept = _to_table(table, rows)
+    # from_pylist and casts do not enforce nullable=False: a missing key must be caught here.
+    checks = [
+        (f.name, _null(data.column(f.name)), "required field is missing")
+        for f in data.schema
+        if not f.nullable and data.column(f.name).null_count
+    ]
+    checks += _RULES[table](data)
     bad = np.zeros(data.num_rows, dtype=bool)
     rule_errors: dict[int, RecordError] = {}
     for field, mask, reason in checks:
@@ -291,12 +304,14 @@ def validate(table: str, rows: Sequence[Mapping[str, Any]] | pa.Table) -> tuple[
         if new.any():
             col = data.column(field)
             for i in np.flatnonzero(new):
-                rule_errors[int(i)] = RecordError(table, int(i), field, col[int(i)].as_py(), reason)
+                # Row numbers refer to the batch the caller gave, even after type errors.
+                row = int(i) if kept is None else int(kept[i])
+                rule_errors[row] = RecordError(table, row, field, col[int(i)].as_py(), reason)
             bad |= mask
     if not bad.any():
         return data, errors
-    # Row numbers in messages refer to the batch the caller gave, after type errors were dropped.
-    errors.extend(rule_errors[i] for i in sorted(rule_errors))
+    errors.extend(rule_errors.values())
+    errors.sort(key=lambda e: e.row)
     return data.filter(pa.array(~bad)), errors
 
 

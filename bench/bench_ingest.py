@@ -1,0 +1,173 @@
+"""Ingest rate of req-step rows: validate + Store.write (Arrow batches) vs row-by-row INSERT.
+
+    python bench/bench_ingest.py [--rows 1000000] [--batch-rows 100000] [--repeats 3]
+
+Rows are realistic ReqDetail rows (gamma=5 by default: draft_tokens, confidence and survival
+lists, a window per request chosen 1..gamma+1, accepted prefix, cap_trim, workload labels).
+The timed path is what a producer's batch goes through: ``schema.validate`` (included), then
+``Store.write`` (dedupe against stored keys, Parquet segment, fsync, atomic rename, directory
+fsync). Building the Arrow batches is not timed: producers hand the fan-out columnar batches.
+
+Baseline: the naive way, one ``INSERT INTO req_steps VALUES (?, ...)`` per row into a DuckDB
+table, all inside one transaction (so it is not dominated by a commit per row), on fewer
+rows (``--baseline-rows``); its rate is rows / seconds. Each figure is the median of
+``--repeats`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+from dspark_obs import schema
+from dspark_obs.store import Store
+from dspark_obs.store.views import duckdb_types
+
+VOCAB = 49152  # SmolLM2 vocabulary size
+WORKLOADS = np.array(["math", "chat", "poetry"], dtype=object)
+
+
+def req_step_batch(
+    n: int, *, gamma: int = 5, bs: int = 32, start_step: int = 0, run_id: str = "bench", seed: int = 0
+) -> pa.Table:
+    """``n`` req-step rows: ``bs`` requests per decode step, steps from ``start_step``."""
+    rng = np.random.default_rng(seed + start_step)
+    i = np.arange(n)
+    fct = start_step + i // bs
+    slot = i % bs
+    # Confidence falls with position like a real drafter's; survival is its running product.
+    base = rng.beta(9, 2, size=(n, 1)) * np.linspace(1.0, 0.8, gamma)
+    conf = np.round(np.clip(base + rng.normal(0, 0.03, size=(n, gamma)), 0, 1), 4)
+    surv = np.round(np.cumprod(conf, axis=1), 4)
+    verify = rng.integers(1, gamma + 2, size=n)
+    correct_full = (rng.random((n, gamma)) < conf).cumprod(axis=1).sum(axis=1)
+    correct = np.minimum(correct_full, verify - 1)
+    cap_trim = correct_full - correct
+    is_last = rng.random(n) < 0.005
+    acc = correct + 1
+    acc[is_last] = np.maximum(1, acc[is_last] - rng.integers(0, 2, size=int(is_last.sum())))
+    offsets = pa.array(np.arange(0, (n + 1) * gamma, gamma, dtype=np.int32))
+
+    def lists(values: np.ndarray, typ: pa.DataType) -> pa.Array:
+        return pa.ListArray.from_arrays(offsets, pa.array(values.ravel(), type=typ))
+
+    generation = fct // 300  # a slot serves a new request every 300 steps
+    rid = np.char.add("req-", (generation * bs + slot).astype(str)).astype(object)
+    cols = {
+        "run_id": pa.array(np.full(n, run_id, dtype=object), pa.string()),
+        "dp_rank": pa.array(np.zeros(n, dtype=np.int32)),
+        "forward_ct": pa.array(fct.astype(np.int64)),
+        "rid": pa.array(rid, pa.string()),
+        "gamma": pa.array(np.full(n, gamma, dtype=np.int32)),
+        "req_pool_index": pa.array(slot.astype(np.int64)),
+        "prefix_len": pa.array((64 + (fct % 300) * 3).astype(np.int64)),
+        "verify_len": pa.array(verify.astype(np.int64)),
+        "acc_len": pa.array(acc.astype(np.int64)),
+        "correct_drafts": pa.array(correct.astype(np.int64)),
+        "cap_trim": pa.array(cap_trim.astype(np.int64)),
+        "bonus_token": pa.array(rng.integers(0, VOCAB, size=n).astype(np.int64)),
+        "draft_tokens": lists(rng.integers(0, VOCAB, size=(n, gamma)).astype(np.int32), pa.int32()),
+        "confidence": lists(conf.astype(np.float32), pa.float32()),
+        "survival": lists(surv.astype(np.float32), pa.float32()),
+        "workload": pa.array(WORKLOADS[slot % 3], pa.string()),
+        "temperature": pa.array(np.full(n, 0.7, dtype=np.float32)),
+        "top_p": pa.array(np.full(n, 0.95, dtype=np.float32)),
+        "top_k": pa.array(np.full(n, -1, dtype=np.int32)),
+        "is_last": pa.array(is_last),
+        "ts": pa.array(1_790_000_000_000_000 + fct * 25_000, pa.timestamp("us", tz="UTC")),
+    }
+    return schema.to_table("req_steps", pa.table(cols))[0]
+
+
+def median_rate(rows: int, repeats: int, run: Callable[[], float]) -> tuple[float, list[float]]:
+    secs = [run() for _ in range(repeats)]
+    return rows / statistics.median(secs), secs
+
+
+def bench_store(batches: list[pa.Table], workdir: Path) -> float:
+    """Seconds to validate and durably store every batch into a fresh store."""
+    root = workdir / "store"
+    shutil.rmtree(root, ignore_errors=True)
+    t0 = time.perf_counter()
+    with Store(root) as store:
+        for batch in batches:
+            valid, errors = schema.validate("req_steps", batch)
+            if errors:
+                raise SystemExit(f"benchmark data failed validation: {errors[0]}")
+            store.write("req_steps", valid)
+    secs = time.perf_counter() - t0
+    got = Store(root).query("SELECT count(*) AS n FROM req_steps").column("n")[0].as_py()
+    if got != sum(b.num_rows for b in batches):
+        raise SystemExit(f"store holds {got} rows, expected {sum(b.num_rows for b in batches)}")
+    return secs
+
+
+def bench_naive(rows: list[tuple], workdir: Path) -> float:
+    """Seconds to INSERT the rows one by one into a DuckDB table (one transaction)."""
+    path = workdir / "naive.duckdb"
+    path.unlink(missing_ok=True)
+    con = duckdb.connect(str(path))
+    cols = duckdb_types("req_steps")
+    con.execute(
+        "CREATE TABLE req_steps ("
+        + ", ".join(f'"{c}" {t}' for c, t in cols)
+        + ", PRIMARY KEY (run_id, dp_rank, forward_ct, rid))"
+    )
+    sql = f"INSERT INTO req_steps VALUES ({', '.join('?' for _ in cols)})"
+    t0 = time.perf_counter()
+    con.execute("BEGIN")
+    for row in rows:
+        con.execute(sql, row)
+    con.execute("COMMIT")
+    secs = time.perf_counter() - t0
+    con.close()
+    return secs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=1_000_000, help="req-step rows per repetition")
+    ap.add_argument("--batch-rows", type=int, default=100_000, help="rows per Store.write")
+    ap.add_argument("--baseline-rows", type=int, default=5_000, help="rows for the naive baseline")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gamma", type=int, default=5)
+    args = ap.parse_args()
+
+    steps_per_batch = max(1, args.batch_rows // 32)
+    batches, made = [], 0
+    while made < args.rows:
+        n = min(args.batch_rows, args.rows - made)
+        batches.append(req_step_batch(n, gamma=args.gamma, start_step=len(batches) * steps_per_batch))
+        made += n
+    sample = req_step_batch(args.baseline_rows, gamma=args.gamma, run_id="naive")
+    naive_rows = [tuple(r.values()) for r in sample.to_pylist()]
+
+    with tempfile.TemporaryDirectory(prefix="dspark-bench-") as tmp:
+        work = Path(tmp)
+        store_rate, store_secs = median_rate(args.rows, args.repeats, lambda: bench_store(batches, work))
+        naive_rate, naive_secs = median_rate(
+            args.baseline_rows, args.repeats, lambda: bench_naive(naive_rows, work)
+        )
+    print(f"req_steps rows: {args.rows:,} in batches of {args.batch_rows:,}; gamma={args.gamma}")
+    print(
+        f"validate + Store.write (durable): {store_rate:,.0f} rows/s "
+        f"(median of {args.repeats}: {', '.join(f'{s:.3f}s' for s in store_secs)})"
+    )
+    print(
+        f"naive row-by-row INSERT (DuckDB, {args.baseline_rows:,} rows): {naive_rate:,.0f} rows/s "
+        f"(median of {args.repeats}: {', '.join(f'{s:.3f}s' for s in naive_secs)})"
+    )
+    print(f"ratio: {store_rate / naive_rate:,.1f}x")
+
+
+if __name__ == "__main__":
+    main()

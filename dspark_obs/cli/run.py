@@ -1,0 +1,156 @@
+"""``dspark-obs run``: run a workload through the embedded DSpark engine into the store."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+WORKLOAD_CHOICES = ("math", "chat", "poetry", "mixed")
+
+
+def _default_store() -> Path:
+    return Path(os.environ.get("DSPARK_OBS_STORE", "store"))
+
+
+def run_command(
+    workload: Annotated[
+        str, typer.Option(help="math | chat | poetry | mixed (equal shares).")
+    ] = "mixed",
+    workload_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--workload-file", help="Replay a traffic JSONL (dspark-obs workloads file) instead."
+        ),
+    ] = None,
+    requests: Annotated[int, typer.Option("--requests", "-n", help="How many requests.")] = 24,
+    mode: Annotated[str, typer.Option(help="static | compact | cap-accept.")] = "compact",
+    companion: Annotated[
+        bool,
+        typer.Option(
+            "--companion", help="Also run the same requests in cap-accept, linked as the companion."
+        ),
+    ] = False,
+    gamma: Annotated[int, typer.Option(help="Draft block size.")] = 5,
+    lag: Annotated[int, typer.Option(help="Confidence relay lag (steps) for the budget.")] = 2,
+    max_batch: Annotated[int, typer.Option(help="Continuous-batching capacity.")] = 8,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature (0 = greedy).")] = 0.0,
+    max_new_tokens: Annotated[
+        int | None, typer.Option(help="Per-request limit (default: per-workload defaults).")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seeds prompt sampling, arrivals and sampling.")] = 0,
+    split: Annotated[str, typer.Option(help="Prompt split: eval | train.")] = "eval",
+    cost_table: Annotated[
+        Path | None,
+        typer.Option(
+            help="SGLang SPS cost table JSON (CPU default: runtime/cost_tables/smollm2_cpu.json)."
+        ),
+    ] = None,
+    sts: Annotated[
+        Path | None, typer.Option(help="SGLang STS temperatures JSON for the drafter.")
+    ] = None,
+    drafter: Annotated[
+        Path | None, typer.Option(help="Drafter checkpoint dir (default: runtime/drafter).")
+    ] = None,
+    store: Annotated[Path, typer.Option(help="Store directory ($DSPARK_OBS_STORE).")] = None,  # type: ignore[assignment]
+    run_id: Annotated[str | None, typer.Option(help="Run id (default: random).")] = None,
+    device: Annotated[str, typer.Option(help="cpu | cuda.")] = "cpu",
+) -> None:
+    """Run DSpark on SmolLM2-135M with the shipped drafter and store every step's records."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from dspark_obs.engine.costs import CostTableError
+    from dspark_obs.engine.loop import EngineConfig, EngineError
+    from dspark_obs.engine.session import (
+        load_cost_table,
+        load_models,
+        new_run_id,
+        run_with_companion,
+        traffic_to_requests,
+    )
+    from dspark_obs.store import Store, StoreError
+    from dspark_obs.workloads import WorkloadFileError, load_traffic, mixed_traffic
+
+    console = Console(stderr=True)
+    store = store or _default_store()
+    try:
+        if workload not in WORKLOAD_CHOICES:
+            raise EngineError(
+                f"unknown workload {workload!r}; expected one of {list(WORKLOAD_CHOICES)}"
+            )
+        config = EngineConfig(
+            mode=mode,
+            gamma=gamma,
+            lag_steps=lag,
+            max_batch=max_batch,
+            cost_table=load_cost_table(cost_table, device),
+        )
+        if workload_file is not None:
+            traffic = load_traffic(workload_file)
+            label = "file"
+        else:
+            shares = None if workload == "mixed" else {workload: 1.0}
+            traffic = mixed_traffic(
+                requests,
+                shares,
+                seed=seed,
+                split=split,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+            )
+            label = workload
+        with console.status("loading SmolLM2-135M and the drafter"):
+            models = load_models(drafter, device=device, sts=sts)
+        reqs = traffic_to_requests(traffic, models.tokenizer)
+        rid = run_id or new_run_id(mode)
+        sink = Store(store)
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+        ) as bar:
+            tasks: dict[str, int] = {}
+
+            def progress(name: str, done: int, total: int) -> None:
+                if name not in tasks:
+                    tasks[name] = bar.add_task(f"{name}", total=total)
+                bar.update(tasks[name], completed=done)
+
+            main, comp, fan = run_with_companion(
+                models,
+                reqs,
+                config,
+                [sink],
+                rid,
+                companion=companion,
+                workload=label,
+                seed=seed,
+                extra_config={"split": split, "device": device},
+                progress=progress,
+            )
+        sink.close()
+    except (EngineError, CostTableError, WorkloadFileError, StoreError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    for res in (main, comp):
+        if res is None:
+            continue
+        console.print(
+            f"{res.run_id}: {res.requests} requests, {res.steps} steps, "
+            f"{res.committed_tokens} tokens in {res.seconds:.1f}s "
+            f"({res.tokens_per_second:.1f} tok/s), target processed {res.target_tokens}"
+        )
+    if fan.errors:
+        console.print(
+            f"[yellow]{len(fan.errors)} records rejected[/yellow]; first: {fan.errors[0]}"
+        )
+    typer.echo(rid)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run")(run_command)

@@ -1,0 +1,647 @@
+"""The DSpark drafter: one parallel pass drafts a whole block of ``gamma`` tokens.
+
+Design (why each part is there):
+
+* Block-parallel backbone. The block's input is the anchor (the last committed token, whose
+  target hidden state is not known yet) followed by ``gamma - 1`` copies of a learned mask
+  embedding. A few transformer layers of the target's width run over the block with
+  bidirectional attention inside it, so one forward pass yields all ``gamma`` positions:
+  drafting costs one small pass instead of ``gamma`` sequential ones.
+* Target conditioning. For every committed context position the target's hidden states at
+  ``hidden_layers`` are concatenated, projected to the drafter width (``fc`` + RMSNorm) and
+  turned into extra keys/values of every drafter layer (each layer's own K/V projections, RoPE
+  at the absolute position). Every block position attends to them. The projection of a
+  position depends on that position alone, so a per-request :class:`DrafterCache` keeps the
+  per-layer context K/V and each committed token's features are projected exactly once. The
+  context is capped to the last ``context_window`` positions (training masks the same way),
+  which bounds CPU cost per step.
+* Shared head. Embedding, final norm and LM head are the target's, frozen and never saved
+  with the drafter: the drafter stays small and its logits live in the target's vocabulary.
+* Low-rank Markov head. ``logits_k += U[x_{k-1}] @ V^T`` (rank ``markov_rank``), applied left
+  to right with the previous *drafted* token, so ``q_k(x | x_{<k})`` is the exact distribution
+  each draft was drawn from: the acceptance step can use it for ``min(1, p/q)``.
+* Confidence head. ``z_k = w . [h_k ; U[x_{k-1}]] + b``, ``c_k = sigmoid(z_k / T_k)`` with
+  optional per-position STS temperatures (SGLang's ``{"temperatures": [...]}`` JSON). It is
+  trained towards the analytic acceptance ``1 - TV(p_k, q_k)``, i.e. the probability that
+  draft k survives given that drafts ``1..k-1`` did.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+WEIGHTS_FILE = "drafter.safetensors"
+CONFIG_FILE = "config.json"
+STS_FILE = "sts.json"
+
+
+# --------------------------------------------------------------------------- target access
+def _tcfg(target: Any) -> Any:
+    for name in ("cfg", "config"):
+        c = getattr(target, name, None)
+        if c is not None:
+            return c
+    raise ValueError("target has no .cfg/.config")
+
+
+def _get(c: Any, *names: str) -> Any:
+    for n in names:
+        if hasattr(c, n):
+            return getattr(c, n)
+    raise ValueError(f"target config lacks any of {names}")
+
+
+def target_signature(target: Any) -> dict[str, Any]:
+    """The target shapes a drafter depends on (checked on load)."""
+    c = _tcfg(target)
+    return {
+        "hidden_size": int(_get(c, "hidden_size", "d_model", "dim")),
+        "vocab_size": int(_get(c, "vocab_size")),
+        "num_layers": int(_get(c, "num_layers", "num_hidden_layers", "n_layers")),
+    }
+
+
+# --------------------------------------------------------------------------- config
+@dataclass
+class DrafterConfig:
+    """Drafter hyper-parameters; the target-derived fields must match the target."""
+
+    hidden_size: int = 576
+    vocab_size: int = 49152
+    target_num_layers: int = 30
+    hidden_layers: tuple[int, ...] = (2, 15, 27)
+    num_layers: int = 3
+    num_heads: int = 9
+    num_kv_heads: int = 3
+    head_dim: int = 64
+    intermediate_size: int = 1536
+    gamma_max: int = 7
+    markov_rank: int = 32
+    rope_theta: float = 100000.0
+    rms_eps: float = 1e-5
+    context_window: int = 1024
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def for_target(cls, target: Any, **overrides: Any) -> DrafterConfig:
+        """Derive width/vocab/head layout from the target, so weights can be shared."""
+        c = _tcfg(target)
+        sig = target_signature(target)
+        n = sig["num_layers"]
+        kw: dict[str, Any] = {
+            "hidden_size": sig["hidden_size"],
+            "vocab_size": sig["vocab_size"],
+            "target_num_layers": n,
+            # low / middle / high layers, as in multi-layer feature drafters
+            "hidden_layers": tuple(sorted({min(2, n - 1), n // 2, max(n - 3, 0)})),
+            "num_heads": int(_get(c, "num_heads", "num_attention_heads", "n_heads")),
+            "num_kv_heads": int(_get(c, "num_kv_heads", "num_key_value_heads", "n_kv_heads")),
+            "intermediate_size": int(_get(c, "intermediate_size", "ffn_dim", "hidden_dim")),
+        }
+        kw["head_dim"] = int(getattr(c, "head_dim", 0) or sig["hidden_size"] // kw["num_heads"])
+        for name, attrs in (
+            ("rope_theta", ("rope_theta", "rope_base")),
+            ("rms_eps", ("rms_norm_eps", "rms_eps", "norm_eps")),
+        ):
+            for a in attrs:
+                if getattr(c, a, None) is not None:
+                    kw[name] = float(getattr(c, a))
+                    break
+        kw.update(overrides)
+        kw["hidden_layers"] = tuple(int(x) for x in kw["hidden_layers"])
+        return cls(**kw)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["hidden_layers"] = list(self.hidden_layers)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> DrafterConfig:
+        d = dict(d)
+        d["hidden_layers"] = tuple(d["hidden_layers"])
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+# --------------------------------------------------------------------------- building blocks
+class RMSNorm(nn.Module):
+    """Llama RMSNorm (computed in float32 for stability under bf16 autocast)."""
+
+    def __init__(self, d: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
+    """Rotary embedding (rotate-half layout) of x [..., n, hd] at positions pos [..., n]."""
+    hd = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd)
+    ang = pos.to(torch.float32).unsqueeze(-1) * inv  # [..., n, hd/2]
+    cos = torch.cat([ang.cos(), ang.cos()], -1)
+    sin = torch.cat([ang.sin(), ang.sin()], -1)
+    xf = x.float()
+    x1, x2 = xf[..., : hd // 2], xf[..., hd // 2 :]
+    rot = torch.cat([-x2, x1], -1)
+    return (xf * cos + rot * sin).to(x.dtype)
+
+
+class DraftLayer(nn.Module):
+    """Pre-norm Llama block whose keys/values are [projected context ; block]."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        d, h, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.cfg = cfg
+        self.in_norm = RMSNorm(d, cfg.rms_eps)
+        self.q_proj = nn.Linear(d, h * hd, bias=False)
+        self.k_proj = nn.Linear(d, kvh * hd, bias=False)
+        self.v_proj = nn.Linear(d, kvh * hd, bias=False)
+        self.o_proj = nn.Linear(h * hd, d, bias=False)
+        self.post_norm = RMSNorm(d, cfg.rms_eps)
+        self.gate = nn.Linear(d, cfg.intermediate_size, bias=False)
+        self.up = nn.Linear(d, cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, d, bias=False)
+
+    def kv(self, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys (roped) and values [B, kvh, n, hd] of already-normalized inputs x [B, n, d]."""
+        b, n, _ = x.shape
+        kvh, hd = self.cfg.num_kv_heads, self.cfg.head_dim
+        k = self.k_proj(x).view(b, n, kvh, hd).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, kvh, hd).transpose(1, 2)
+        return rope(k, pos.unsqueeze(1), self.cfg.rope_theta), v
+
+    def forward(
+        self, x: Tensor, pos: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor
+    ) -> Tensor:
+        """x [B, Q, d] block states; ctx_k/v [B, kvh, C, hd]; mask [B, 1, Q, C+Q] bool."""
+        cfg = self.cfg
+        b, q_len, _ = x.shape
+        hn = self.in_norm(x)
+        q = self.q_proj(hn).view(b, q_len, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        q = rope(q, pos.unsqueeze(1), cfg.rope_theta)
+        k, v = self.kv(hn, pos)
+        k = torch.cat([ctx_k.to(k.dtype), k], 2)
+        v = torch.cat([ctx_v.to(v.dtype), v], 2)
+        rep = cfg.num_heads // cfg.num_kv_heads
+        if rep > 1:
+            k = k.repeat_interleave(rep, 1)
+            v = v.repeat_interleave(rep, 1)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.o_proj(a.transpose(1, 2).reshape(b, q_len, -1))
+        hn = self.post_norm(x)
+        return x + self.down(F.silu(self.gate(hn)) * self.up(hn))
+
+
+# --------------------------------------------------------------------------- per-request state
+@dataclass
+class DrafterCache:
+    """Per-request drafter context: per-layer projected K/V of committed positions.
+
+    ``num_positions`` counts every committed position whose target features were appended;
+    it is also the absolute position of the next anchor. Only the last ``context_window``
+    positions are kept.
+    """
+
+    keys: list[Tensor] = field(default_factory=list)
+    values: list[Tensor] = field(default_factory=list)
+    num_positions: int = 0
+
+    @property
+    def length(self) -> int:
+        """Context positions kept (after windowing)."""
+        return int(self.keys[0].shape[1]) if self.keys else 0
+
+    def truncate(self, n: int) -> None:
+        """Forget positions >= n (only needed if uncommitted features were ever appended)."""
+        drop = self.num_positions - n
+        if drop < 0:
+            raise ValueError(f"cannot truncate to {n} > {self.num_positions}")
+        if drop > self.length:
+            raise ValueError("truncation reaches past the kept context window")
+        if drop:
+            keep = self.length - drop
+            self.keys = [k[:, :keep] for k in self.keys]
+            self.values = [v[:, :keep] for v in self.values]
+        self.num_positions = n
+
+
+@dataclass
+class DraftBlock:
+    """One drafted block (leading dim B for batched calls, absent for single requests).
+
+    tokens [.., g] long; logprobs [.., g] = log q_k(token_k | drafts < k); probs [.., g, V]
+    the exact q_k rows the tokens were drawn from (temperature applied; for greedy rows the
+    temperature-1 distribution); conf_logits [.., g] raw z_k; confidence [.., g] =
+    sigmoid(z_k / T_k).
+    """
+
+    tokens: Tensor
+    logprobs: Tensor
+    probs: Tensor
+    conf_logits: Tensor
+    confidence: Tensor
+
+    @property
+    def survival(self) -> Tensor:
+        """S_j = prod_{i<=j} c_i: probability that drafts 1..j are all accepted."""
+        return torch.cumprod(self.confidence, -1)
+
+    def select(self, i: int) -> DraftBlock:
+        return DraftBlock(*(getattr(self, f)[i] for f in _BLOCK_FIELDS))
+
+
+_BLOCK_FIELDS = ("tokens", "logprobs", "probs", "conf_logits", "confidence")
+
+
+def load_sts(path: str | Path) -> list[float]:
+    """Read SGLang's STS calibration JSON and validate ``temperatures`` (all finite, > 0)."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or "temperatures" not in data:
+        raise ValueError(f"{path}: STS JSON needs a 'temperatures' list")
+    temps = data["temperatures"]
+    if not isinstance(temps, list) or not temps:
+        raise ValueError(f"{path}: 'temperatures' must be a non-empty list")
+    out: list[float] = []
+    for i, t in enumerate(temps):
+        if isinstance(t, bool) or not isinstance(t, int | float):
+            raise ValueError(f"{path}: temperatures[{i}] is not a number")
+        if not math.isfinite(t) or t <= 0:
+            raise ValueError(f"{path}: temperatures[{i}] = {t} must be finite and > 0")
+        out.append(float(t))
+    return out
+
+
+# --------------------------------------------------------------------------- the drafter
+class Drafter(nn.Module):
+    """DSpark drafter sharing the (frozen) target's embedding, final norm and LM head."""
+
+    def __init__(self, cfg: DrafterConfig, target: nn.Module):
+        super().__init__()
+        sig = target_signature(target)
+        mism = [
+            f"{k}: drafter {getattr(cfg, ck)} != target {sig[k]}"
+            for k, ck in (
+                ("hidden_size", "hidden_size"),
+                ("vocab_size", "vocab_size"),
+                ("num_layers", "target_num_layers"),
+            )
+            if getattr(cfg, ck) != sig[k]
+        ]
+        if any(layer >= sig["num_layers"] or layer < 0 for layer in cfg.hidden_layers):
+            mism.append(f"hidden_layers {cfg.hidden_layers} outside target's {sig['num_layers']}")
+        if mism:
+            raise ValueError("drafter/target shape mismatch: " + "; ".join(mism))
+        self.cfg = cfg
+        object.__setattr__(self, "_target", target)  # shared, not a submodule: never saved
+        d = cfg.hidden_size
+        self.fc = nn.Linear(len(cfg.hidden_layers) * d, d, bias=False)
+        self.ctx_norm = RMSNorm(d, cfg.rms_eps)
+        self.mask_embed = nn.Parameter(torch.zeros(d))
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.markov_u = nn.Embedding(cfg.vocab_size, cfg.markov_rank)
+        self.markov_v = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.markov_rank))
+        self.conf_head = nn.Linear(d + cfg.markov_rank, 1)
+        self.register_buffer("sts_temperatures", torch.ones(0), persistent=False)
+        self.reset_parameters()
+
+    # -- init / target access -------------------------------------------------------------
+    def reset_parameters(self) -> None:
+        """Small random init; residual outputs scaled down so the stack starts near identity."""
+        std = 0.02
+        for name, p in self.named_parameters():
+            if p.dim() == 2 and name != "markov_v":
+                nn.init.normal_(p, std=std)
+            if name.endswith(("o_proj.weight", "down.weight")):
+                p.data.mul_(1.0 / math.sqrt(2 * self.cfg.num_layers))
+        with torch.no_grad():
+            self.mask_embed.normal_(std=std)
+            self.markov_v.zero_()
+            self.conf_head.bias.fill_(1.0)
+
+    @property
+    def target(self) -> nn.Module:
+        return self._target  # type: ignore[no-any-return]
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """Which target layers' outputs the drafter conditions on (concatenated in order)."""
+        return self.cfg.hidden_layers
+
+    def _embed(self, tokens: Tensor) -> Tensor:
+        return _target_embed(self.target, tokens)
+
+    def _final_norm(self, x: Tensor) -> Tensor:
+        """The target's (frozen) final RMSNorm: drafter states live in its output space."""
+        return self.target.norm(x)  # type: ignore[no-any-return, operator]
+
+    def _logits(self, h: Tensor) -> Tensor:
+        return _target_lm_head(self.target, h)
+
+    # -- shared pieces ---------------------------------------------------------------------
+    def project_context(self, hidden: Tensor) -> Tensor:
+        """[.., L*d] concatenated target hidden states -> [.., d] normalized features."""
+        w = self.fc.weight
+        return self.ctx_norm(self.fc(hidden.to(w.dtype)))
+
+    def _block_input(self, anchors: Tensor, gamma: int) -> Tensor:
+        """[B, gamma, d]: anchor embedding then gamma-1 mask embeddings."""
+        e = self._embed(anchors.reshape(-1)).to(self.mask_embed.dtype)  # [B, d]
+        m = self.mask_embed.expand(e.shape[0], gamma - 1, -1)
+        return torch.cat([e.unsqueeze(1), m], 1)
+
+    def _markov(self, base: Tensor, prev: Tensor) -> tuple[Tensor, Tensor]:
+        """Logits base [.., V] + U[prev] V^T, and U[prev] (for the confidence head)."""
+        u = self.markov_u(prev)
+        return base.float() + (u @ self.markov_v.t()).float(), u
+
+    def _conf(self, h: Tensor, u: Tensor) -> Tensor:
+        return self.conf_head(torch.cat([h, u.to(h.dtype)], -1)).squeeze(-1).float()
+
+    def sts(self, gamma: int) -> Tensor:
+        """Per-position STS temperatures for the first gamma positions (ones if none)."""
+        t = self.sts_temperatures
+        if t.numel() == 0:
+            return torch.ones(gamma)
+        if t.numel() < gamma:
+            raise ValueError(f"STS has {t.numel()} temperatures, gamma={gamma}")
+        return t[:gamma].cpu()
+
+    def set_sts(self, temperatures: Sequence[float] | str | Path | None) -> None:
+        """Install STS temperatures (a list or SGLang's JSON file); None removes them."""
+        if temperatures is None:
+            self.sts_temperatures = torch.ones(0)
+            return
+        temps = load_sts(temperatures) if isinstance(temperatures, str | Path) else temperatures
+        t = torch.tensor([float(x) for x in temps], dtype=torch.float32)
+        if t.numel() == 0 or not torch.isfinite(t).all() or (t <= 0).any():
+            raise ValueError("STS temperatures must be finite and > 0")
+        self.sts_temperatures = t
+
+    # -- training forward: many blocks per sequence ----------------------------------------
+    def forward_train(
+        self,
+        hidden: Tensor,
+        tokens: Tensor,
+        anchors: Tensor,
+        gamma: int,
+        lengths: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Teacher-forced block pass for training.
+
+        hidden [B, T, L*d] target features of every position, tokens [B, T], anchors [B, nb]
+        (anchor a sees context positions < a). Returns the final normalized block states
+        h [B, nb, gamma, d], logits [B, nb, gamma, V] (Markov term with the realized previous
+        token) and conf logits z [B, nb, gamma]. Block position k predicts token a + k + 1.
+        """
+        cfg = self.cfg
+        b, t_len = tokens.shape
+        nb = anchors.shape[1]
+        dev = tokens.device
+        feats = self.project_context(hidden)  # [B, T, d]
+        ctx_pos = torch.arange(t_len, device=dev).expand(b, t_len)
+        offs = torch.arange(gamma, device=dev)
+        blk_pos = (anchors.unsqueeze(-1) + offs).reshape(b, nb * gamma)  # [B, Q]
+        x = self._block_input(anchors.reshape(-1), gamma).view(b, nb * gamma, -1)
+        # mask: context t visible iff a - W <= t < a; block keys iff same block
+        a_q = anchors.repeat_interleave(gamma, 1)  # [B, Q]
+        t_idx = torch.arange(t_len, device=dev)
+        ctx_ok = (t_idx < a_q.unsqueeze(-1)) & (t_idx >= a_q.unsqueeze(-1) - cfg.context_window)
+        blk_id = torch.arange(nb, device=dev).repeat_interleave(gamma)
+        blk_ok = (blk_id.unsqueeze(1) == blk_id.unsqueeze(0)).expand(b, -1, -1)
+        mask = torch.cat([ctx_ok, blk_ok], -1).unsqueeze(1)
+        for layer in self.layers:
+            ck, cv = layer.kv(feats, ctx_pos)
+            x = layer(x, blk_pos, ck, cv, mask)
+        h = self._final_norm(x)
+        base = self._logits(h)
+        prev_pos = blk_pos.clamp(max=t_len - 1)
+        prev = tokens.gather(1, prev_pos)  # token at a + k (k = 0 is the anchor)
+        logits, u = self._markov(base, prev)
+        z = self._conf(h, u)
+        return (
+            h.view(b, nb, gamma, -1),
+            logits.view(b, nb, gamma, -1),
+            z.view(b, nb, gamma),
+        )
+
+    # -- inference ------------------------------------------------------------------------
+    def new_cache(self) -> DrafterCache:
+        """An empty per-request context cache."""
+        return DrafterCache()
+
+    @torch.no_grad()
+    def extend(self, cache: DrafterCache, hidden: Tensor) -> None:
+        """Append committed positions' target features [n, L*d] (each projected once)."""
+        if hidden.numel() == 0:
+            return
+        n = hidden.shape[0]
+        dev = self.fc.weight.device
+        feats = self.project_context(hidden.to(dev)).unsqueeze(0)  # [1, n, d]
+        pos = torch.arange(cache.num_positions, cache.num_positions + n, device=dev)[None]
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            k, v = layer.kv(feats, pos)
+            k, v = k[0], v[0]  # [kvh, n, hd]
+            if cache.keys:
+                k = torch.cat([cache.keys[i], k], 1)
+                v = torch.cat([cache.values[i], v], 1)
+            w = self.cfg.context_window
+            new_k.append(k[:, -w:])
+            new_v.append(v[:, -w:])
+        cache.keys, cache.values = new_k, new_v
+        cache.num_positions += n
+
+    @torch.no_grad()
+    def draft_batch(
+        self,
+        caches: Sequence[DrafterCache],
+        anchors: Sequence[int] | Tensor,
+        gamma: int = 5,
+        temperature: float | Sequence[float] = 0.0,
+        generator: torch.Generator | Sequence[torch.Generator | None] | None = None,
+        new_hidden: Sequence[Tensor | None] | None = None,
+    ) -> DraftBlock:
+        """Draft one block for each request (tensors [B, gamma, ...]).
+
+        new_hidden[i] (optional) are request i's newly committed positions' features,
+        appended to caches[i] first. temperature <= 0 means greedy (argmax); otherwise tokens
+        are sampled from q_k at that temperature. Probabilities are exact left to right.
+        """
+        cfg = self.cfg
+        if not 1 <= gamma <= cfg.gamma_max:
+            raise ValueError(f"gamma={gamma} outside 1..{cfg.gamma_max}")
+        bsz = len(caches)
+        if new_hidden is not None:
+            for c, hnew in zip(caches, new_hidden, strict=True):
+                if hnew is not None:
+                    self.extend(c, hnew)
+        dev = self.fc.weight.device
+        dtype = self.fc.weight.dtype
+        anc = torch.as_tensor(anchors, dtype=torch.long).reshape(-1).to(dev)
+        temps = torch.as_tensor(temperature, dtype=torch.float32).reshape(-1).expand(bsz)
+        # padded context K/V
+        c_max = max(c.length for c in caches)
+        kvh, hd = cfg.num_kv_heads, cfg.head_dim
+        g_run = cfg.gamma_max  # always the trained block size; the first gamma are returned
+        keymask = torch.zeros(bsz, c_max + g_run, dtype=torch.bool, device=dev)
+        keymask[:, c_max:] = True
+        ctx_k = [torch.zeros(bsz, kvh, c_max, hd, device=dev, dtype=dtype) for _ in self.layers]
+        ctx_v = [torch.zeros(bsz, kvh, c_max, hd, device=dev, dtype=dtype) for _ in self.layers]
+        for i, c in enumerate(caches):
+            n = c.length
+            keymask[i, :n] = True
+            for li in range(len(self.layers)):
+                ctx_k[li][i, :, :n] = c.keys[li]
+                ctx_v[li][i, :, :n] = c.values[li]
+        mask = keymask[:, None, None, :].expand(bsz, 1, g_run, c_max + g_run)
+        pos = torch.tensor([c.num_positions for c in caches], device=dev)
+        pos = pos[:, None] + torch.arange(g_run, device=dev)
+        x = self._block_input(anc, g_run)
+        for li, layer in enumerate(self.layers):
+            x = layer(x, pos, ctx_k[li], ctx_v[li], mask)
+        h = self._final_norm(x[:, :gamma])
+        base = self._logits(h).float()  # [B, gamma, V]
+        sts = self.sts(gamma).to(dev)
+        toks, lps, probs, zs = [], [], [], []
+        prev = anc
+        greedy = (temps <= 0).to(dev)
+        tsafe = torch.where(temps > 0, temps, torch.ones_like(temps)).to(dev)
+        for k in range(gamma):
+            lg, u = self._markov(base[:, k], prev)
+            zs.append(self._conf(h[:, k], u))
+            q = torch.softmax(lg / tsafe[:, None], -1)
+            tok = lg.argmax(-1)
+            if not bool(greedy.all()):
+                tok = torch.where(greedy, tok, _sample_rows(q, generator))
+            p_tok = q.gather(1, tok[:, None])[:, 0]
+            toks.append(tok)
+            lps.append(torch.log(p_tok.clamp_min(1e-30)))
+            probs.append(q)
+            prev = tok
+        z = torch.stack(zs, 1)
+        return DraftBlock(
+            tokens=torch.stack(toks, 1),
+            logprobs=torch.stack(lps, 1),
+            probs=torch.stack(probs, 1),
+            conf_logits=z,
+            confidence=torch.sigmoid(z / sts),
+        )
+
+    def draft(
+        self,
+        ctx_hidden: Tensor | None,
+        anchor_token: int | Tensor,
+        gamma: int = 5,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+        cache: DrafterCache | None = None,
+    ) -> DraftBlock:
+        """Single-request draft (tensors [gamma, ...]).
+
+        Without ``cache`` ctx_hidden is the whole context's features [n, L*d]; with a cache
+        it is only the newly committed positions (or None), appended before drafting.
+        """
+        c = cache if cache is not None else self.new_cache()
+        blk = self.draft_batch(
+            [c], [int(anchor_token)], gamma, temperature, generator, [ctx_hidden]
+        )
+        return blk.select(0)
+
+    # -- persistence ----------------------------------------------------------------------
+    def save(self, path: str | Path, meta: dict[str, Any] | None = None) -> Path:
+        """Write ``drafter.safetensors`` (bf16) + ``config.json`` (+ ``sts.json``) into path."""
+        from safetensors.torch import save_file
+
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        sd = {
+            k: v.detach().to("cpu", torch.bfloat16).contiguous()
+            for k, v in self.state_dict().items()
+        }
+        save_file(sd, str(out / WEIGHTS_FILE))
+        conf = {"drafter": self.cfg.to_json(), "target": target_signature(self.target)}
+        if meta:
+            conf["meta"] = meta
+        (out / CONFIG_FILE).write_text(json.dumps(conf, indent=2))
+        if self.sts_temperatures.numel():
+            (out / STS_FILE).write_text(
+                json.dumps({"temperatures": self.sts_temperatures.tolist()}, indent=2)
+            )
+        return out
+
+    @classmethod
+    def load(
+        cls, path: str | Path, target: nn.Module, device: str | torch.device | None = None
+    ) -> Drafter:
+        """Load a saved drafter onto ``target``; shape mismatches raise ValueError."""
+        from safetensors.torch import load_file
+
+        p = Path(path)
+        conf = json.loads((p / CONFIG_FILE).read_text())
+        cfg = DrafterConfig.from_json(conf["drafter"])
+        drafter = cls(cfg, target)  # raises ValueError on target mismatch
+        sd = load_file(str(p / WEIGHTS_FILE))
+        own = drafter.state_dict()
+        bad = [
+            f"{k}: file {tuple(v.shape)} != model {tuple(own[k].shape)}"
+            for k, v in sd.items()
+            if k in own and tuple(v.shape) != tuple(own[k].shape)
+        ]
+        missing = sorted(set(own) - set(sd))
+        if bad or missing:
+            raise ValueError(f"checkpoint mismatch: {bad} missing={missing}")
+        drafter.load_state_dict({k: v.float() for k, v in sd.items()})
+        if (p / STS_FILE).exists():
+            drafter.set_sts(p / STS_FILE)
+        dev = device if device is not None else _target_device(target)
+        return drafter.to(dev).eval()
+
+
+def _sample_rows(
+    q: Tensor, generator: torch.Generator | Sequence[torch.Generator | None] | None
+) -> Tensor:
+    """One sample per row of q [B, V]: per-request generators (reproducible per request
+    whatever the batch) or one shared generator (one vectorized call)."""
+    if isinstance(generator, Sequence):
+        out = []
+        for i, g in enumerate(generator):
+            qi = q[i] if g is None or g.device == q.device else q[i].to(g.device)
+            out.append(torch.multinomial(qi, 1, generator=g).to(q.device))
+        return torch.cat(out)
+    qq = q if generator is None or generator.device == q.device else q.to(generator.device)
+    return torch.multinomial(qq, 1, generator=generator)[:, 0].to(q.device)
+
+
+# --------------------------------------------------------------------------- target helpers
+def _target_device(target: nn.Module) -> torch.device:
+    for prm in target.parameters():
+        return prm.device
+    return torch.device("cpu")
+
+
+def _target_embed(target: Any, tokens: Tensor) -> Tensor:
+    return target.embed(tokens)  # type: ignore[no-any-return]
+
+
+def _target_lm_head(target: Any, h: Tensor) -> Tensor:
+    """Target's LM head on normalized drafter states (shape-preserving over leading dims)."""
+    lead = h.shape[:-1]
+    w = getattr(target, "dtype", h.dtype)
+    out = target.lm_head(h.reshape(-1, h.shape[-1]).to(w))
+    return out.reshape(*lead, out.shape[-1])  # type: ignore[no-any-return]

@@ -1,0 +1,570 @@
+"""The embedded DSpark decode loop: continuous batching, drafting, scheduling, verification.
+
+One step for the running batch:
+
+1. admit arrivals (prefill: the first token comes from the prompt's last logits);
+2. draft a block of ``gamma`` tokens per request (the drafter's context cache receives the
+   target features of what the previous step committed);
+3. plan windows: ``static`` verifies everything; ``compact`` and ``cap-accept`` ask the
+   scheduler (SPS-argmax budget on lagged survival, top-b allocation on current survival);
+4. verify with ONE packed target forward: ``compact`` sends ``verify_len`` tokens per request
+   (so the forward processes ``sum(verify_len)`` tokens), the other modes send ``gamma + 1``;
+5. accept (greedy or lossless rejection sampling), roll back the KV caches, commit;
+6. emit a step record with one req-step row per request through the producer interface.
+
+Each request owns a ``torch.Generator`` seeded by its own seed, and every mode consumes the
+same draws per step, so a ``cap-accept`` companion of a ``compact`` run commits the same
+tokens (token-identical under greedy; identical streams under sampling).
+
+For the block-accept estimator, a compact step whose window was fully accepted while drafts
+were trimmed (``correct_drafts == verify_len - 1 < gamma``) records ``trimmed_tokens`` and
+their draft log-probs ``q_lp``; later target rows that cover those positions resolve them into
+``pg`` entries ``(src_fct, k, target_logprob, draft_token, realized_token)`` until the first
+offset whose realized token differs from the draft (SGLang 0.5.23's JSONL semantics).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+import torch
+
+from dspark_obs.engine.acceptance import SAMPLING_EPS, accept, process_logits
+from dspark_obs.engine.costs import CostTable
+from dspark_obs.engine.drafter import Drafter, DrafterCache
+from dspark_obs.engine.model import KVCache, Target
+from dspark_obs.engine.scheduler import Scheduler
+from dspark_obs.schema import MODES
+
+GREEDY_MISMATCH_LOGPROB = -1.0e4
+"""Log-prob recorded for a draft token that a greedy target would never emit (log 0)."""
+
+
+class EngineError(ValueError):
+    """Bad engine input (mode, gamma, prompt...): raised before anything is written."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to run DSpark. ``cost_table=None`` verifies every draft (SGLang's default)."""
+
+    mode: str = "compact"
+    gamma: int = 5
+    lag_steps: int = 2
+    max_batch: int = 16
+    cost_table: CostTable | None = None
+    dp_rank: int = 0
+    flush_every: int = 32  # steps buffered before records are handed to the sinks
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise EngineError(f"unknown mode {self.mode!r}; expected one of {list(MODES)}")
+        if self.gamma < 1:
+            raise EngineError(f"gamma must be >= 1, got {self.gamma}")
+        if self.max_batch < 1:
+            raise EngineError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.lag_steps < 0:
+            raise EngineError(f"lag_steps must be >= 0, got {self.lag_steps}")
+
+
+@dataclass
+class GenRequest:
+    """One request to run: already-tokenized prompt plus its sampling settings."""
+
+    rid: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    workload: str | None = None
+    prompt: str | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int = 0
+    arrival_step: int = 0
+
+
+@dataclass
+class _Censored:
+    """A compact block whose trimmed drafts await resolution by later target rows."""
+
+    src_fct: int
+    start_pos: int  # absolute position of trimmed offset k = 0
+    tokens: list[int]
+    next_k: int = 0
+
+
+@dataclass
+class _Live:
+    """Per running request state."""
+
+    req: GenRequest
+    cache: KVCache
+    dcache: DrafterCache
+    gen: torch.Generator
+    anchor: int
+    output: list[int]
+    new_hidden: torch.Tensor | None
+    arrival_time: float
+    first_token_time: float
+    censored: list[_Censored] = field(default_factory=list)
+
+    @property
+    def greedy(self) -> bool:
+        return self.req.temperature < SAMPLING_EPS
+
+
+@dataclass
+class RunResult:
+    """What a run produced, for the caller's summary line."""
+
+    run_id: str
+    steps: int = 0
+    requests: int = 0
+    committed_tokens: int = 0
+    target_tokens: int = 0
+    seconds: float = 0.0
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.committed_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+Emit = Callable[[str, list[dict[str, Any]]], Any]
+
+
+class Engine:
+    """Runs requests through target + drafter in one verify mode and emits records."""
+
+    def __init__(
+        self,
+        target: Target,
+        drafter: Drafter,
+        config: EngineConfig,
+        stop_ids: Sequence[int] = (),
+    ) -> None:
+        if config.gamma > drafter.cfg.gamma_max:
+            limit = drafter.cfg.gamma_max
+            raise EngineError(f"gamma={config.gamma} exceeds the drafter's trained maximum {limit}")
+        self.target = target
+        self.drafter = drafter
+        self.cfg = config
+        self.stop_ids = frozenset(int(t) for t in stop_ids)
+        self.scheduler = Scheduler(config.cost_table, config.gamma, config.lag_steps)
+
+    # ------------------------------------------------------------------ public
+
+    def check(self, requests: Sequence[GenRequest]) -> None:
+        """Reject bad requests before a run starts, so nothing is half-written."""
+        limit = self.target.cfg.max_position
+        seen: set[str] = set()
+        for r in requests:
+            if r.rid in seen:
+                raise EngineError(f"request id {r.rid!r} appears twice")
+            seen.add(r.rid)
+            if not r.prompt_ids:
+                raise EngineError(f"request {r.rid!r}: empty prompt")
+            if r.max_new_tokens < 1:
+                raise EngineError(f"request {r.rid!r}: max_new_tokens must be >= 1")
+            need = len(r.prompt_ids) + r.max_new_tokens + self.cfg.gamma + 1
+            if need > limit:
+                raise EngineError(
+                    f"request {r.rid!r}: prompt of {len(r.prompt_ids)} tokens + "
+                    f"{r.max_new_tokens} new tokens exceeds the context of {limit}"
+                )
+            if not (math.isfinite(r.temperature) and r.temperature >= 0):
+                raise EngineError(f"request {r.rid!r}: temperature must be finite and >= 0")
+            vocab = self.target.cfg.vocab_size
+            if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= vocab:
+                raise EngineError(f"request {r.rid!r}: prompt token id outside 0..{vocab - 1}")
+
+    def run(
+        self,
+        requests: Sequence[GenRequest],
+        emit: Emit,
+        run_id: str,
+        progress: Callable[[int], None] | None = None,
+    ) -> RunResult:
+        """Decode every request to completion; ``emit(table, rows)`` receives the records.
+
+        ``progress(n)`` is called with the number of requests finished in a step.
+        """
+        self.check(requests)
+        cfg = self.cfg
+        self.scheduler.relay.reset()
+        waiting = sorted(requests, key=lambda r: (r.arrival_step, r.rid))
+        running: list[_Live] = []
+        result = RunResult(run_id)
+        buf: dict[str, list[dict[str, Any]]] = {"steps": [], "req_steps": [], "requests": []}
+        tokens_before = self.target.tokens_processed
+        t_start = time.perf_counter()
+        fct = 0
+        with torch.inference_mode():
+            while waiting or running:
+                while waiting and waiting[0].arrival_step <= fct and len(running) < cfg.max_batch:
+                    live = self._admit(waiting.pop(0))
+                    if self._finished_at_prefill(live):
+                        buf["requests"].append(
+                            self._request_row(
+                                live, run_id, "stop" if live.anchor in self.stop_ids else "length"
+                            )
+                        )
+                        result.outputs[live.req.rid] = live.output
+                        result.committed_tokens += len(live.output)
+                        result.requests += 1
+                        if progress:
+                            progress(1)
+                    else:
+                        running.append(live)
+                if not running:
+                    fct = max(fct + 1, waiting[0].arrival_step) if waiting else fct + 1
+                    continue
+                done = self._step(running, fct, run_id, buf, result)
+                result.steps += 1
+                for live, reason in done:
+                    running.remove(live)
+                    buf["requests"].append(self._request_row(live, run_id, reason))
+                    result.outputs[live.req.rid] = live.output
+                    result.requests += 1
+                if progress and done:
+                    progress(len(done))
+                fct += 1
+                if result.steps % cfg.flush_every == 0:
+                    self._flush(emit, buf)
+        self._flush(emit, buf)
+        result.seconds = time.perf_counter() - t_start
+        result.target_tokens = self.target.tokens_processed - tokens_before
+        return result
+
+    def run_row(
+        self,
+        run_id: str,
+        *,
+        model: str,
+        drafter: str,
+        workload: str | None,
+        temperature: float,
+        seed: int,
+        companion_of: str | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The ``runs`` row describing this engine's settings."""
+        return {
+            "run_id": run_id,
+            "source": "engine",
+            "mode": self.cfg.mode,
+            "gamma": self.cfg.gamma,
+            "model": model,
+            "drafter": drafter,
+            "workload": workload,
+            "temperature": temperature,
+            "seed": seed,
+            "companion_of": companion_of,
+            "lag_steps": self.cfg.lag_steps,
+            "dp_size": 1,
+            "started_at": datetime.now(UTC),
+            "config": json.dumps(config or {}, sort_keys=True),
+        }
+
+    # ------------------------------------------------------------------ internals
+
+    @staticmethod
+    def _flush(emit: Emit, buf: dict[str, list[dict[str, Any]]]) -> None:
+        for table in ("steps", "req_steps", "requests"):
+            if buf[table]:
+                emit(table, buf[table])
+                buf[table] = []
+
+    def _admit(self, req: GenRequest) -> _Live:
+        arrival = time.time()
+        gen = torch.Generator(device="cpu").manual_seed(int(req.seed))
+        max_len = len(req.prompt_ids) + req.max_new_tokens + self.cfg.gamma + 2
+        cache = self.target.new_cache(max_len)
+        out = self.target.prefill(req.prompt_ids, cache, self.drafter.hidden_layers)
+        logits = out.logits[0][-1]
+        first = self._sample(logits, req, gen)
+        return _Live(
+            req=req,
+            cache=cache,
+            dcache=self.drafter.new_cache(),
+            gen=gen,
+            anchor=first,
+            output=[first],
+            new_hidden=out.hidden[0],
+            arrival_time=arrival,
+            first_token_time=time.time(),
+        )
+
+    def _finished_at_prefill(self, live: _Live) -> bool:
+        return live.req.max_new_tokens == 1 or live.anchor in self.stop_ids
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, req: GenRequest, gen: torch.Generator) -> int:
+        """First token from the prompt's last logits; draws one uniform either way."""
+        u = float(torch.rand(1, generator=gen, dtype=torch.float64))
+        if req.temperature < SAMPLING_EPS:
+            return int(torch.argmax(logits))
+        p = process_logits(logits.double(), req.temperature, req.top_p, req.top_k)
+        cdf = torch.cumsum(p, 0)
+        return int(min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), p.numel() - 1))
+
+    def _step(
+        self,
+        running: list[_Live],
+        fct: int,
+        run_id: str,
+        buf: dict[str, list[dict[str, Any]]],
+        result: RunResult,
+    ) -> list[tuple[_Live, str]]:
+        cfg, gamma = self.cfg, self.cfg.gamma
+        t0 = time.perf_counter()
+        bs = len(running)
+        block = self.drafter.draft_batch(
+            [r.dcache for r in running],
+            [r.anchor for r in running],
+            gamma,
+            [r.req.temperature for r in running],
+            [r.gen for r in running],
+            [r.new_hidden for r in running],
+        )
+        conf = block.confidence.float().cpu().numpy()
+        survival = np.cumprod(conf, axis=1)
+        draft_tokens = block.tokens.cpu()
+        draft_lp = block.logprobs.float().cpu()
+        t_draft = time.perf_counter()
+
+        if cfg.mode == "static":
+            budget, verify_lens = bs * gamma, np.full(bs, gamma + 1, dtype=np.int64)
+            decision = None
+        else:
+            budget, verify_lens = self.scheduler.plan([r.req.rid for r in running], survival)
+            decision = self.scheduler.last_decision
+        send = verify_lens if cfg.mode == "compact" else np.full(bs, gamma + 1, dtype=np.int64)
+        tokens = [
+            torch.cat([torch.tensor([r.anchor]), draft_tokens[i, : send[i] - 1]])
+            for i, r in enumerate(running)
+        ]
+        lengths_before = [r.cache.length for r in running]
+        out = self.target.forward(tokens, [r.cache for r in running], self.drafter.hidden_layers)
+        t_verify = time.perf_counter()
+
+        now = datetime.now(UTC)
+        done: list[tuple[_Live, str]] = []
+        rows: list[dict[str, Any]] = []
+        for i, live in enumerate(running):
+            req = live.req
+            w = int(verify_lens[i])
+            n = int(send[i])
+            logits = out.logits[i]  # [n, vocab]
+            drafts = draft_tokens[i, : n - 1]
+            if live.greedy:
+                res = accept(
+                    logits, drafts, greedy=True, window=w if cfg.mode == "cap-accept" else None
+                )
+                logp = None
+            else:
+                probs = process_logits(logits.double(), req.temperature, req.top_p, req.top_k)
+                res = accept(
+                    probs,
+                    drafts,
+                    block.probs[i, : n - 1].double(),
+                    live.gen,
+                    window=w if cfg.mode == "cap-accept" else None,
+                    block_size=gamma,
+                )
+                logp = torch.log(probs.clamp_min(1e-300))
+            if cfg.mode == "static":
+                w = n
+            committed = list(res.tokens)
+            # The target rows that produced committed positions (row r -> position A+1+r).
+            pg = self._resolve(live, logits, logp, committed, lengths_before[i])
+            remaining = req.max_new_tokens - len(live.output)
+            cut, reason = len(committed), None
+            for j, tok in enumerate(committed):
+                if tok in self.stop_ids:
+                    cut, reason = j + 1, "stop"
+                    break
+            if cut > remaining or (reason is None and cut == remaining):
+                cut, reason = remaining, "length"
+            committed = committed[:cut]
+            live.output.extend(committed)
+            result.committed_tokens += len(committed)
+            is_last = reason is not None
+            row = {
+                "run_id": run_id,
+                "dp_rank": cfg.dp_rank,
+                "forward_ct": fct,
+                "rid": req.rid,
+                "gamma": gamma,
+                "req_pool_index": i,
+                "prefix_len": lengths_before[i],
+                "verify_len": w,
+                "acc_len": len(committed),
+                "correct_drafts": res.correct_drafts,
+                "cap_trim": res.cap_trim if cfg.mode == "cap-accept" else 0,
+                "bonus_token": res.bonus_token,
+                "draft_tokens": draft_tokens[i].tolist(),
+                "confidence": conf[i].tolist(),
+                "survival": survival[i].tolist(),
+                "workload": req.workload,
+                "temperature": req.temperature,
+                "top_p": req.top_p,
+                "top_k": req.top_k,
+                "is_last": is_last,
+                "ts": now,
+                "pg": pg or None,
+                "trimmed_tokens": None,
+                "q_lp": None,
+            }
+            if cfg.mode == "static":
+                row["correct_drafts"] = res.correct_drafts
+            if (
+                cfg.mode == "compact"
+                and not is_last
+                and res.correct_drafts == w - 1
+                and w - 1 < gamma
+            ):
+                trimmed = draft_tokens[i, w - 1 :].tolist()
+                row["trimmed_tokens"] = trimmed
+                row["q_lp"] = draft_lp[i, w - 1 :].tolist()
+                blk = _Censored(fct, lengths_before[i] + w, trimmed)
+                # Offset 0 is decided by this very step's last row (the bonus position).
+                extra = self._resolve_block(blk, live, logits, logp, committed, lengths_before[i])
+                if extra:
+                    row["pg"] = (row["pg"] or []) + extra
+                if blk.next_k < len(blk.tokens):
+                    live.censored.append(blk)
+            rows.append(row)
+            if is_last:
+                done.append((live, reason or "length"))
+                continue
+            # Keep anchor + accepted drafts in the caches; the bonus becomes the next anchor.
+            keep = res.correct_drafts + 1
+            live.cache.truncate(lengths_before[i] + keep)
+            live.new_hidden = out.hidden[i][:keep]
+            live.anchor = committed[-1]
+
+        t_end = time.perf_counter()
+        num_verify = int(send.sum())
+        pred_ms = theta = None
+        if decision is not None:
+            if decision.predicted_step_seconds is not None:
+                pred_ms = decision.predicted_step_seconds * 1000.0
+            theta = decision.predicted_theta
+        buf["steps"].append(
+            {
+                "run_id": run_id,
+                "dp_rank": cfg.dp_rank,
+                "forward_ct": fct,
+                "source": "engine",
+                "mode": cfg.mode,
+                "bs": bs,
+                "budget": int(budget),
+                "lag_steps": cfg.lag_steps,
+                "num_running_reqs": bs,
+                "num_verify_tokens": num_verify,
+                "verify_tokens_local": num_verify,
+                "predicted_step_ms": pred_ms,
+                "predicted_theta": theta,
+                "step_cpu_ms": (t_end - t0) * 1000.0,
+                "draft_gpu_ms": (t_draft - t0) * 1000.0 if self._timed_device else None,
+                "target_verify_gpu_ms": (t_verify - t_draft) * 1000.0
+                if self._timed_device
+                else None,
+                "ts": now,
+            }
+        )
+        buf["req_steps"].extend(rows)
+        return done
+
+    @property
+    def _timed_device(self) -> bool:
+        return self.target.device.type == "cuda"
+
+    def _resolve(
+        self,
+        live: _Live,
+        logits: torch.Tensor,
+        logp: torch.Tensor | None,
+        committed: list[int],
+        prefix_len: int,
+    ) -> list[dict[str, Any]]:
+        """Resolve earlier censored blocks against this step's target rows."""
+        entries: list[dict[str, Any]] = []
+        still: list[_Censored] = []
+        for blk in live.censored:
+            entries.extend(self._resolve_block(blk, live, logits, logp, committed, prefix_len))
+            if blk.next_k < len(blk.tokens):
+                still.append(blk)
+        live.censored = still
+        return entries
+
+    @staticmethod
+    def _resolve_block(
+        blk: _Censored,
+        live: _Live,
+        logits: torch.Tensor,
+        logp: torch.Tensor | None,
+        committed: list[int],
+        prefix_len: int,
+    ) -> list[dict[str, Any]]:
+        """Walk the block's offsets over committed positions prefix_len+1..; stop at a miss.
+
+        Row ``r`` of this step's target output predicts absolute position ``prefix_len+1+r``
+        (``prefix_len`` is the anchor's position), whose realized token is ``committed[r]``.
+        """
+        entries = []
+        while blk.next_k < len(blk.tokens):
+            pos = blk.start_pos + blk.next_k
+            r = pos - (prefix_len + 1)
+            if r < 0 or r >= len(committed):
+                break
+            draft = blk.tokens[blk.next_k]
+            if logp is None:  # greedy: log of the one-hot target distribution
+                lp = 0.0 if int(torch.argmax(logits[r])) == draft else GREEDY_MISMATCH_LOGPROB
+            else:
+                lp = float(logp[r, draft])
+            realized = committed[r]
+            entries.append(
+                {
+                    "src_fct": blk.src_fct,
+                    "k": blk.next_k,
+                    "target_logprob": lp,
+                    "draft_token": draft,
+                    "realized_token": realized,
+                }
+            )
+            blk.next_k += 1
+            if realized != draft:
+                blk.next_k = len(blk.tokens)  # diverged: the rest can never be resolved
+                break
+        return entries
+
+    def _request_row(self, live: _Live, run_id: str, reason: str) -> dict[str, Any]:
+        req = live.req
+        return {
+            "run_id": run_id,
+            "rid": req.rid,
+            "dp_rank": self.cfg.dp_rank,
+            "workload": req.workload,
+            "prompt": req.prompt,
+            "prompt_tokens": len(req.prompt_ids),
+            "output_tokens": live.output,
+            "completion_tokens": len(live.output),
+            "finish_reason": reason,
+            "max_new_tokens": req.max_new_tokens,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_k": req.top_k,
+            "seed": req.seed,
+            "arrival_time": live.arrival_time,
+            "first_token_time": live.first_token_time,
+            "finish_time": time.time(),
+        }

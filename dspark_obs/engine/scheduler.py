@@ -1,0 +1,236 @@
+"""DSpark verify scheduling: the SPS-argmax token budget and its per-request allocation.
+
+Semantics follow SGLang 0.5.23's DSpark planner (``dspark_planner.py`` and the top-k
+scheduler kernel), so a trace replayed here picks the same budgets and windows:
+
+* Survival entries below ``survival_eps`` (1e-6) are not candidates: they add nothing to
+  tau, they are never allocated, and the budget search stops at the number of candidates.
+  DESIGN.md's "b in 0..bs*gamma" is the eps = 0 special case.
+* The budget is the first maximum of ``tau(b) / T(bs, b)`` (additive table) or
+  ``tau(b) * SPS(bs + b)`` (1-D table) over ``b = 0..#candidates``, in float64.
+* The budget uses the survival of ``lag`` plan calls ago; the allocation uses the current
+  survival. A request with no survival from ``lag`` calls ago is treated as all-ones
+  (SGLang: the request-pool slot's generation does not match, so it substitutes ones).
+* Allocation ranks all candidates by (higher value, lower position, lower request index),
+  takes the first ``b`` and sets ``verify_len = 1 + (number taken from that request)``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dspark_obs.engine.costs import CostTable
+
+__all__ = [
+    "SURVIVAL_EPS",
+    "BudgetDecision",
+    "ConfidenceRelay",
+    "Scheduler",
+    "allocate",
+    "sps_budget",
+    "sps_decision",
+]
+
+SURVIVAL_EPS = 1e-6
+"""SGLang's ``DSparkScheduleConfig.survival_eps``: smaller survivals are never verified."""
+
+
+@dataclass(frozen=True)
+class BudgetDecision:
+    """One budget choice with what the table predicted for it (DecodeStepRecord fields)."""
+
+    budget: int
+    predicted_step_seconds: float | None = None
+    predicted_theta: float | None = None
+    """Objective at the chosen budget: predicted committed tokens per second."""
+
+
+def _as_survival(survival: np.ndarray, name: str = "survival") -> np.ndarray:
+    arr = np.asarray(survival)
+    if arr.ndim != 2:
+        raise ValueError(f"{name} must be 2-D [bs, gamma], got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.floating):
+        arr = arr.astype(np.float64)
+    if not np.all(np.isfinite(arr)):
+        raise ValueError(f"{name} holds NaN or infinite values")
+    return arr
+
+
+def _valid(arr: np.ndarray, survival_eps: float) -> np.ndarray:
+    # Compare in the input's own precision, as SGLang compares its float32 survival.
+    return arr >= arr.dtype.type(survival_eps)
+
+
+def sps_decision(
+    survival: np.ndarray, table: CostTable, *, survival_eps: float = SURVIVAL_EPS
+) -> BudgetDecision:
+    """The SPS-argmax budget for a batch, with the table's prediction at that budget.
+
+    ``survival`` is ``[bs, gamma]`` (normally the lagged survival). Ties pick the smallest
+    budget: ``np.argmax`` returns the first maximum, as ``torch.argmax`` does in SGLang.
+    """
+    arr = _as_survival(survival)
+    bs = arr.shape[0]
+    if bs == 0:
+        return BudgetDecision(budget=0)
+    cand = arr[_valid(arr, survival_eps)].astype(np.float64)
+    tau = bs + np.concatenate(([0.0], np.cumsum(np.sort(cand)[::-1])))
+    score = table.objective(bs, tau)
+    idx = int(np.argmax(score))
+    step = float(table.predicted_step_seconds(bs, np.array([idx]))[0])
+    return BudgetDecision(
+        budget=idx, predicted_step_seconds=step, predicted_theta=float(score[idx])
+    )
+
+
+def sps_budget(
+    survival: np.ndarray, table: CostTable, *, survival_eps: float = SURVIVAL_EPS
+) -> int:
+    """Extra verify tokens for the batch: the first ``b`` maximizing predicted tokens/sec."""
+    return sps_decision(survival, table, survival_eps=survival_eps).budget
+
+
+def allocate(survival: np.ndarray, b: int, *, survival_eps: float = SURVIVAL_EPS) -> np.ndarray:
+    """``verify_len`` per request (anchor included): ``b`` slots to the top-``b`` survivals.
+
+    Ranking: higher value first, then lower position, then lower request index. A request's
+    window must be a prefix of its block, so its ``verify_len`` is ``1 +`` the *number* of its
+    entries among the top ``b`` (SGLang's rule), not the positions of those entries. For a
+    real survival row (a cumulative product of confidences in [0, 1], non-increasing even after
+    float rounding, since rounding is monotone) the top entries of a request *are* a prefix:
+    equal values are ranked by lower position first. If a caller passes a row that increases
+    somewhere, the count rule still verifies exactly ``b`` drafts in total, just as SGLang
+    would; we do not reorder or repair such rows.
+    """
+    arr = _as_survival(survival)
+    bs, gamma = arr.shape
+    lens = np.ones(bs, dtype=np.int64)
+    if b <= 0 or bs == 0 or gamma == 0:
+        return lens
+    valid = _valid(arr, survival_eps).ravel()
+    vals = np.where(valid, arr.astype(np.float64).ravel(), -np.inf)
+    pos = np.tile(np.arange(gamma), bs)
+    req = np.repeat(np.arange(bs), gamma)
+    order = np.lexsort((req, pos, -vals))  # last key is the primary one
+    take = order[: min(int(b), vals.size)]
+    take = take[valid[take]]
+    lens += np.bincount(req[take], minlength=bs)
+    return np.clip(lens, 1, gamma + 1)
+
+
+class ConfidenceRelay:
+    """Per-request survival history, returning what each request had ``lag`` calls ago.
+
+    Call :meth:`step` once per decode step with the whole running batch. A request that is
+    absent from a call loses its history (it left: finished or was preempted), so if it comes
+    back it starts fresh, like an SGLang request that gets a new pool slot (new generation).
+    A request without a survival from exactly ``lag`` calls ago (it joined less than ``lag``
+    calls ago) gets all-ones survival, which is what SGLang substitutes on a generation
+    mismatch: it is assumed to accept every draft until its own history arrives.
+
+    SGLang's effective lag is ``max(SGLANG_DSPARK_CONFIDENCE_RELAY_LAG_STEPS, 1)`` without the
+    overlap scheduler and ``max(that, 2)`` with it; here ``lag`` is taken literally and may be
+    0 (budget from the current survival). Under overlap SGLang also returns no budget for the
+    first two decode steps of the server's life (verify-all); this synchronous relay has no
+    such warm-up and gives all-ones rows instead, as SGLang's non-overlap path does.
+    """
+
+    def __init__(self, lag: int = 2) -> None:
+        if lag < 0:
+            raise ValueError(f"lag must be >= 0, got {lag}")
+        self._lag = int(lag)
+        self._hist: dict[Hashable, deque[np.ndarray]] = {}
+        self._gamma: int | None = None
+
+    @property
+    def lag(self) -> int:
+        return self._lag
+
+    def __len__(self) -> int:
+        return len(self._hist)
+
+    def reset(self) -> None:
+        """Forget everything (e.g. between runs)."""
+        self._hist.clear()
+        self._gamma = None
+
+    def step(self, rids: Sequence[Hashable], survival_now: np.ndarray) -> np.ndarray:
+        """Record this step's survival and return the lagged ``[bs, gamma]`` survival (float64)."""
+        arr = _as_survival(survival_now, "survival_now")
+        bs, gamma = arr.shape
+        if len(rids) != bs:
+            raise ValueError(f"{len(rids)} request ids for {bs} survival rows")
+        if len(set(rids)) != bs:
+            raise ValueError("duplicate request ids in one step")
+        if self._gamma is not None and gamma != self._gamma and bs:
+            raise ValueError(f"survival width changed from {self._gamma} to {gamma}")
+        if bs:
+            self._gamma = gamma
+        out = np.ones((bs, gamma), dtype=np.float64)
+        rows = arr.astype(np.float64)
+        hist: dict[Hashable, deque[np.ndarray]] = {}
+        for i, rid in enumerate(rids):
+            h = self._hist.get(rid)
+            if h is None:
+                h = deque(maxlen=self._lag + 1)
+            h.append(rows[i].copy())
+            if len(h) == self._lag + 1:
+                out[i] = h[0]
+            hist[rid] = h
+        self._hist = hist
+        return out
+
+
+class Scheduler:
+    """Per-step planner: budget from lagged survival, windows from the current survival.
+
+    Without a cost table it verifies everything (``verify_len = gamma + 1`` for all,
+    ``budget = bs * gamma``), which is SGLang's behaviour in compact mode with no SPS table.
+    ``forced_budget_frac`` pins the budget to ``int(frac * bs * gamma)`` (SGLang's
+    ``dspark_force_budget_frac``), used to profile step times over varied K; it applies with
+    or without a table here, since the embedded profiler has no table yet.
+    """
+
+    def __init__(
+        self,
+        table: CostTable | None,
+        gamma: int,
+        lag: int = 2,
+        *,
+        survival_eps: float = SURVIVAL_EPS,
+    ) -> None:
+        if gamma < 1:
+            raise ValueError(f"gamma must be >= 1, got {gamma}")
+        self.table = table
+        self.gamma = int(gamma)
+        self.survival_eps = float(survival_eps)
+        self.relay = ConfidenceRelay(lag)
+        self.forced_budget_frac: float | None = None
+        self.last_decision: BudgetDecision | None = None
+
+    def plan(self, rids: Sequence[Hashable], survival_now: np.ndarray) -> tuple[int, np.ndarray]:
+        """``(budget, verify_lens)`` for this step; also sets :attr:`last_decision`."""
+        arr = _as_survival(survival_now, "survival_now")
+        bs, gamma = arr.shape
+        if gamma != self.gamma:
+            raise ValueError(f"survival has {gamma} positions, scheduler gamma is {self.gamma}")
+        frac = self.forced_budget_frac
+        if frac is not None:
+            if not 0.0 <= frac <= 1.0:
+                raise ValueError(f"forced_budget_frac must be in [0, 1], got {frac}")
+            if self.table is not None:
+                self.relay.step(rids, arr)
+            budget = max(0, int(float(frac) * bs * gamma))
+            self.last_decision = BudgetDecision(budget=budget)
+            return budget, allocate(arr, budget, survival_eps=self.survival_eps)
+        if self.table is None:
+            self.last_decision = None
+            return bs * gamma, np.full(bs, gamma + 1, dtype=np.int64)
+        lagged = self.relay.step(rids, arr)
+        decision = sps_decision(lagged, self.table, survival_eps=self.survival_eps)
+        self.last_decision = decision
+        return decision.budget, allocate(arr, decision.budget, survival_eps=self.survival_eps)

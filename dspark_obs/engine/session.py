@@ -1,0 +1,164 @@
+"""Glue between workloads, the embedded engine and the record sinks: one run, or a
+compact run plus its cap-accept companion, from a workload description to stored records.
+
+Kept out of the CLI so tests and benchmarks drive exactly what ``dspark-obs run`` drives.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dspark_obs.engine.costs import CostTable
+from dspark_obs.engine.loop import Engine, EngineConfig, EngineError, GenRequest, RunResult
+from dspark_obs.fanout import FanOut, RecordSink
+
+REPO_RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
+DEFAULT_DRAFTER = REPO_RUNTIME / "drafter"
+DEFAULT_CPU_COST_TABLE = REPO_RUNTIME / "cost_tables" / "smollm2_cpu.json"
+
+
+@dataclass
+class Models:
+    """A loaded target + drafter + tokenizer (the tokenizer may be None for tiny models)."""
+
+    target: Any
+    drafter: Any
+    tokenizer: Any
+    stop_ids: tuple[int, ...]
+    model_name: str
+    drafter_name: str
+
+
+def load_models(
+    drafter_path: str | Path | None = None,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    sts: str | Path | None = None,
+) -> Models:
+    """SmolLM2-135M-Instruct and the shipped (or given) DSpark drafter."""
+    from dspark_obs.engine.drafter import Drafter
+    from dspark_obs.engine.weights import load_smollm2, stop_token_ids
+
+    path = Path(drafter_path) if drafter_path else DEFAULT_DRAFTER
+    if not (path / "config.json").is_file():
+        raise EngineError(f"no drafter checkpoint at {path} (expected {path / 'config.json'})")
+    target, tokenizer = load_smollm2(device=device, dtype=dtype)
+    drafter = Drafter.load(path, target).to(device=device, dtype=dtype).eval()
+    if sts is not None:
+        drafter.set_sts(sts)
+    return Models(
+        target, drafter, tokenizer, stop_token_ids(tokenizer), "SmolLM2-135M-Instruct", path.name
+    )
+
+
+def traffic_to_requests(traffic: Sequence[Any], tokenizer: Any) -> list[GenRequest]:
+    """Workload TrafficRequests -> tokenized engine requests (chat template applied)."""
+    from dspark_obs.engine.weights import encode_chat
+
+    out = []
+    for i, t in enumerate(traffic):
+        ids = encode_chat(tokenizer, t.prompt.messages)
+        out.append(
+            GenRequest(
+                rid=t.rid or f"{t.prompt.id}-{i}",
+                prompt_ids=ids,
+                max_new_tokens=t.max_new_tokens,
+                workload=t.prompt.workload,
+                prompt=t.prompt.text,
+                temperature=t.temperature,
+                top_p=t.top_p,
+                top_k=t.top_k,
+                seed=t.seed,
+                arrival_step=t.arrival_step,
+            )
+        )
+    return out
+
+
+def new_run_id(prefix: str = "run") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def run_with_companion(
+    models: Models,
+    requests: Sequence[GenRequest],
+    config: EngineConfig,
+    sinks: Sequence[RecordSink],
+    run_id: str,
+    *,
+    companion: bool = False,
+    workload: str | None = None,
+    seed: int = 0,
+    extra_config: dict[str, Any] | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> tuple[RunResult, RunResult | None, FanOut]:
+    """Run once in ``config.mode``; with ``companion`` also run the same requests in
+    cap-accept as ``{run_id}-cap`` linked by ``companion_of``. Returns both results.
+
+    Everything is checked (requests, gamma, tables) before the first record is emitted.
+    """
+    if companion and config.mode != "compact":
+        raise EngineError(
+            "--companion pairs a compact run with a cap-accept run: use --mode compact"
+        )
+    engine = Engine(models.target, models.drafter, config, models.stop_ids)
+    engine.check(requests)
+    fan = FanOut(sinks)
+    temps = {r.temperature for r in requests}
+    temperature = temps.pop() if len(temps) == 1 else None
+    cfg_json = {
+        "max_batch": config.max_batch,
+        "requests": len(requests),
+        "cost_table": None if config.cost_table is None else config.cost_table.to_dict(),
+        **(extra_config or {}),
+    }
+
+    def one(eng: Engine, rid: str, companion_of: str | None) -> RunResult:
+        fan.emit(
+            "runs",
+            [
+                eng.run_row(
+                    rid,
+                    model=models.model_name,
+                    drafter=models.drafter_name,
+                    workload=workload,
+                    temperature=temperature,
+                    seed=seed,
+                    companion_of=companion_of,
+                    config=cfg_json,
+                )
+            ],
+        )
+        done = 0
+
+        def tick(n: int) -> None:
+            nonlocal done
+            done += n
+            if progress:
+                progress(rid, done, len(requests))
+
+        return eng.run(requests, fan.emit, rid, tick)
+
+    main = one(engine, run_id, None)
+    comp = None
+    if companion:
+        cap = Engine(
+            models.target, models.drafter, replace(config, mode="cap-accept"), models.stop_ids
+        )
+        comp = one(cap, f"{run_id}-cap", run_id)
+    return main, comp, fan
+
+
+def load_cost_table(path: str | Path | None, device: str) -> CostTable | None:
+    """The given table, or the shipped CPU table when running on CPU, else None (verify all)."""
+    if path is not None:
+        return CostTable.load(path)
+    if device == "cpu" and DEFAULT_CPU_COST_TABLE.is_file():
+        return CostTable.load(DEFAULT_CPU_COST_TABLE)
+    return None

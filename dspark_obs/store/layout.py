@@ -1,0 +1,202 @@
+"""Where a store keeps its files, and the filesystem steps that make a write crash-safe.
+
+Layout (``root`` is the store directory)::
+
+    root/catalog.sql                      CREATE VIEW statements for a user's duckdb shell
+    root/catalog.duckdb                   the same views in a database file (open read-only)
+    root/<table>/run_id=<enc>/seg-*.parquet   immutable segments, one run per directory
+    root/<table>/run_id=<enc>/.lock           the per-(table, run) writer lock
+    root/<table>/run_id=__schema__/_schema.parquet   zero rows: keeps the glob non-empty
+
+``<enc>`` is the run_id percent-encoded so that DuckDB's hive partitioning decodes it back
+exactly. A segment is written under a name the readers' glob does not match (``.tmp``),
+fsynced, renamed into place and the directory fsynced: readers see whole segments or none.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+from urllib.parse import quote
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+SEGMENT_PREFIX = "seg-"
+SEGMENT_SUFFIX = ".parquet"
+TMP_SUFFIX = ".tmp"
+LOCK_NAME = ".lock"
+PLACEHOLDER_DIR = "run_id=__schema__"
+PLACEHOLDER_FILE = "_schema.parquet"
+CATALOG_SQL = "catalog.sql"
+CATALOG_DB = "catalog.duckdb"
+# DuckDB reads this hive value as NULL, so a run with that name must be encoded differently.
+_HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"
+_MAX_NAME_BYTES = 240
+
+# Parquet settings for segments, chosen for write speed (the ingest hot path) at a fair size:
+# snappy; one row group per segment up to 1M rows; statistics on the key columns only (they
+# drive DuckDB's pruning, the rest cost write time); dictionary pages for strings and
+# low-cardinality scalars; BYTE_STREAM_SPLIT for numeric list elements (tokens, confidence,
+# survival), which is about as small as a dictionary there and twice as fast to write.
+ROW_GROUP_ROWS = 1 << 20
+COMPRESSION = "snappy"
+STATS_COLUMNS = ("run_id", "dp_rank", "forward_ct", "rid", "ts")
+_PLAIN_COLUMNS = frozenset({"forward_ct", "ts", "bonus_token", "prefix_len", "seed"})
+
+
+class StoreError(RuntimeError):
+    """A store operation was refused or failed; the message says what and why."""
+
+
+def partition_name(run_id: str) -> str:
+    """The directory name for one run: ``run_id=<percent-encoded run_id>``."""
+    enc = quote(run_id, safe="")
+    if run_id == _HIVE_NULL:
+        enc = "%5F" + enc[1:]
+    name = f"run_id={enc}"
+    if len(name.encode()) > _MAX_NAME_BYTES:
+        raise StoreError(
+            f"run_id {run_id[:40]!r}... is too long for the store "
+            f"({len(name.encode())} bytes encoded; at most {_MAX_NAME_BYTES})"
+        )
+    return name
+
+
+def table_dir(root: Path, table: str) -> Path:
+    return root / table
+
+
+def partition_dir(root: Path, table: str, run_id: str) -> Path:
+    return root / table / partition_name(run_id)
+
+
+def segment_glob(root: Path, table: str) -> str:
+    """The glob readers use: every segment of every run (plus the schema placeholder)."""
+    return str(root.resolve() / table / "*" / f"*{SEGMENT_SUFFIX}")
+
+
+def placeholder_path(root: Path, table: str) -> Path:
+    return root / table / PLACEHOLDER_DIR / PLACEHOLDER_FILE
+
+
+def segment_files(part_dir: Path) -> list[Path]:
+    """Committed segments of one partition, oldest first (names sort by creation time)."""
+    try:
+        names = os.listdir(part_dir)
+    except FileNotFoundError:
+        return []
+    return [
+        part_dir / n
+        for n in sorted(names)
+        if n.startswith(SEGMENT_PREFIX) and n.endswith(SEGMENT_SUFFIX)
+    ]
+
+
+def new_segment_name() -> str:
+    """A unique, time-ordered segment name (ns clock, pid, random suffix)."""
+    stamp = f"{time.time_ns():020d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return f"{SEGMENT_PREFIX}{stamp}{SEGMENT_SUFFIX}"
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory entry change (create, rename) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def ensure_dir(path: Path) -> None:
+    """Create ``path`` (and parents) durably: each new entry's parent is fsynced."""
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir()
+        except FileExistsError:
+            continue
+        fsync_dir(d.parent)
+
+
+def write_parquet_atomic(
+    table: pa.Table, dest: Path, metadata: dict[bytes, bytes] | None = None
+) -> None:
+    """Write ``table`` to ``dest`` so that ``dest`` is either absent or complete and durable.
+
+    Temp file (ignored by readers) -> fsync -> rename -> fsync of the directory.
+    """
+    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+    if metadata:
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
+    stats = [c for c in STATS_COLUMNS if c in table.column_names]
+    dictionary, split = _encodings(table.schema)
+    try:
+        with open(tmp, "wb") as f:
+            pq.write_table(
+                table,
+                f,
+                compression=COMPRESSION,
+                row_group_size=ROW_GROUP_ROWS,
+                write_statistics=stats or False,
+                use_dictionary=dictionary,
+                use_byte_stream_split=split or False,
+            )
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(dest.parent)
+
+
+def _encodings(schema: pa.Schema) -> tuple[list[str], list[str]]:
+    """(columns with dictionary pages, list leaves with BYTE_STREAM_SPLIT) for a schema."""
+    dictionary, split = [], []
+    for f in schema:
+        t = f.type
+        if pa.types.is_list(t):
+            v = t.value_type
+            if pa.types.is_floating(v) or pa.types.is_integer(v):
+                split.append(f"{f.name}.list.element")
+        elif pa.types.is_floating(t) and t.bit_width == 64:
+            continue  # timings: mostly distinct
+        elif not pa.types.is_struct(t) and f.name not in _PLAIN_COLUMNS:
+            dictionary.append(f.name)
+    return dictionary, split
+
+
+def write_text_atomic(dest: Path, text: str) -> None:
+    """Replace a small text file atomically (readers see the old or the new content)."""
+    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(dest.parent)
+
+
+def remove_stale_tmp(part_dir: Path) -> int:
+    """Delete temp files a crashed writer left behind (call only while holding the lock)."""
+    n = 0
+    try:
+        names = os.listdir(part_dir)
+    except FileNotFoundError:
+        return 0
+    for name in names:
+        if name.startswith(".") and name.endswith(TMP_SUFFIX):
+            (part_dir / name).unlink(missing_ok=True)
+            n += 1
+    return n

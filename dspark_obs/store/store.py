@@ -1,0 +1,543 @@
+"""The store: crash-safe, append-only Parquet segments that never block readers.
+
+Why not one DuckDB database file: a DuckDB file opened for writing locks every other process
+out, and a dashboard or a user's shell must be able to read while a run is being written.
+So each acknowledged write is an immutable Parquet segment (atomically renamed into a
+per-run directory), and readers are DuckDB views over ``read_parquet`` globs.
+
+Writers: one per (table, run), enforced with ``flock`` on the partition's lock file (the
+kernel drops it when a writer dies, even by kill -9). The writer holding the lock knows every
+key stored for its partition, so it drops rows already stored (restart, re-ingest) or
+repeated inside a batch: a key (schema.KEYS) is ingested at most once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from dspark_obs import schema
+from dspark_obs.store import layout, views
+from dspark_obs.store.guard import check_read_only
+from dspark_obs.store.layout import StoreError
+
+_RANGES_KEY = b"dspark_obs.fct_ranges"  # footer metadata: {dp_rank: [min_fct, max_fct]}
+_DP_SHIFT = 40  # (dp_rank << 40) | forward_ct packs a step key into one int64
+
+
+@dataclass(frozen=True)
+class Ack:
+    """What a write or flush made durable: rows written, rows dropped as already stored."""
+
+    rows: int = 0
+    duplicates: int = 0
+    segments: tuple[str, ...] = ()
+
+    def __add__(self, other: Ack) -> Ack:
+        return Ack(
+            self.rows + other.rows,
+            self.duplicates + other.duplicates,
+            self.segments + other.segments,
+        )
+
+
+@dataclass
+class _Segment:
+    path: Path
+    rows: int
+    ranges: dict[int, tuple[int, int]]  # per dp_rank, for tables keyed by forward_ct
+
+
+@dataclass
+class _Partition:
+    """Writer-side state of one (table, run): its lock and what it already stores."""
+
+    table: str
+    run_id: str
+    path: Path
+    lock_fd: int
+    key_cols: tuple[str, ...]
+    segments: list[_Segment] = field(default_factory=list)
+    keys: pa.Table | None = None  # stored keys, kept in memory for the small tables only
+
+    @property
+    def by_step(self) -> bool:
+        return "forward_ct" in self.key_cols
+
+
+class Store:
+    """A directory of Parquet segments with DuckDB views on top. See the module docstring.
+
+    ``Store(root)``: every :meth:`write` is durable when it returns (one segment per run in
+    the batch). ``Store(root, flush_rows=N, flush_seconds=S)``: writes are buffered per table
+    and become durable when a threshold is hit (checked on write) or on :meth:`flush` /
+    :meth:`close`; the Ack those return says what is now durable. Producers that emit a few
+    rows per decode step (the embedded engine) should use the buffered mode; producers that
+    already hand over large batches (the SGLang collector) should use the default.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        flush_rows: int | None = None,
+        flush_seconds: float | None = None,
+    ) -> None:
+        self.root = Path(root)
+        self.flush_rows = flush_rows
+        self.flush_seconds = flush_seconds
+        self._buffered = flush_rows is not None or flush_seconds is not None
+        self._buffers: dict[str, list[pa.Table]] = {}
+        self._buffer_rows: dict[str, int] = {}
+        self._buffer_since: dict[str, float] = {}
+        self._partitions: dict[tuple[str, str], _Partition] = {}
+        self._initialized = False
+        self._closed = False
+        self._mutex = threading.RLock()
+
+    # ------------------------------------------------------------------ writing
+
+    def write(self, table: str, batch: pa.Table) -> Ack:
+        """Store a validated batch of ``schema.TABLES[table]``.
+
+        Default mode: returns once every row is durable (or was already stored). Buffered
+        mode: returns what this call flushed, possibly nothing yet.
+        """
+        with self._mutex:
+            if self._closed:
+                raise StoreError("store is closed")
+            batch = _conform(table, batch)
+            if batch.num_rows == 0:
+                return Ack()
+            if not self._buffered:
+                return self._write_now(table, batch)
+            self._buffers.setdefault(table, []).append(batch)
+            self._buffer_rows[table] = self._buffer_rows.get(table, 0) + batch.num_rows
+            self._buffer_since.setdefault(table, time.monotonic())
+            full = self.flush_rows is not None and self._buffer_rows[table] >= self.flush_rows
+            stale = (
+                self.flush_seconds is not None
+                and time.monotonic() - self._buffer_since[table] >= self.flush_seconds
+            )
+            return self._flush_table(table) if full or stale else Ack()
+
+    def flush(self) -> Ack:
+        """Make every buffered row durable; returns what was written (the acknowledgement)."""
+        with self._mutex:
+            ack = Ack()
+            for table in list(self._buffers):
+                ack += self._flush_table(table)
+            return ack
+
+    def close(self) -> Ack:
+        """Flush, then release every writer lock. Idempotent."""
+        with self._mutex:
+            if self._closed:
+                return Ack()
+            try:
+                ack = self.flush()
+            finally:
+                for part in self._partitions.values():
+                    os.close(part.lock_fd)  # closing the descriptor drops the flock
+                self._partitions.clear()
+                self._closed = True
+            return ack
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _flush_table(self, table: str) -> Ack:
+        parts = self._buffers.pop(table, [])
+        self._buffer_rows.pop(table, None)
+        self._buffer_since.pop(table, None)
+        if not parts:
+            return Ack()
+        try:
+            return self._write_now(table, pa.concat_tables(parts))
+        except BaseException:
+            self._buffers[table] = parts  # nothing was acknowledged: keep it for a retry
+            self._buffer_rows[table] = sum(p.num_rows for p in parts)
+            self._buffer_since[table] = time.monotonic()
+            raise
+
+    def _write_now(self, table: str, batch: pa.Table) -> Ack:
+        self._init_layout()
+        ack = Ack()
+        for run_id, rows in _split_by_run(batch):
+            part = self._partition(table, run_id)
+            ack += self._append(part, rows)
+        return ack
+
+    def _append(self, part: _Partition, batch: pa.Table) -> Ack:
+        n_in = batch.num_rows
+        batch = _dedupe_in_batch(batch, part.key_cols)
+        batch = self._drop_stored(part, batch)
+        if batch.num_rows == 0:
+            return Ack(0, n_in, ())
+        ranges = _step_ranges(batch) if part.by_step else {}
+        dest = part.path / layout.new_segment_name()
+        meta = {_RANGES_KEY: json.dumps({str(k): v for k, v in ranges.items()}).encode()}
+        layout.write_parquet_atomic(batch, dest, meta if part.by_step else None)
+        # Durable from here on: record it so later batches are checked against it.
+        part.segments.append(_Segment(dest, batch.num_rows, ranges))
+        if not part.by_step:
+            new_keys = batch.select(list(part.key_cols))
+            part.keys = new_keys if part.keys is None else pa.concat_tables([part.keys, new_keys])
+        return Ack(batch.num_rows, n_in - batch.num_rows, (str(dest),))
+
+    def _drop_stored(self, part: _Partition, batch: pa.Table) -> pa.Table:
+        if not part.segments:
+            return batch
+        if not part.key_cols:  # runs: one row per run, and it is stored already
+            return batch.slice(0, 0)
+        if part.by_step:
+            ranges = _step_ranges(batch)
+            overlap = [
+                s
+                for s in part.segments
+                if any(
+                    d in s.ranges and s.ranges[d][0] <= hi and lo <= s.ranges[d][1]
+                    for d, (lo, hi) in ranges.items()
+                )
+            ]
+            if not overlap:  # fast path: every step is newer (or on another rank)
+                return batch
+            stored = pa.concat_tables(
+                [pq.read_table(s.path, columns=list(part.key_cols)) for s in overlap]
+            )
+        else:
+            stored = part.keys
+            if stored is None or stored.num_rows == 0:
+                return batch
+        return _anti_join(batch, stored, part.key_cols)
+
+    # ------------------------------------------------------------------ partitions
+
+    def _init_layout(self) -> None:
+        if self._initialized:
+            return
+        try:
+            layout.ensure_dir(self.root)
+            for table, sch in schema.TABLES.items():
+                ph = layout.placeholder_path(self.root, table)
+                if not _placeholder_ok(ph, sch):
+                    layout.ensure_dir(ph.parent)
+                    layout.write_parquet_atomic(sch.empty_table(), ph)
+            self._write_catalog()
+        except OSError as exc:
+            raise StoreError(f"cannot initialize the store at {self.root}: {exc}") from exc
+        self._initialized = True
+
+    def _write_catalog(self) -> None:
+        text = views.catalog_sql(self.root)
+        sql_path = self.root / layout.CATALOG_SQL
+        db_path = self.root / layout.CATALOG_DB
+        try:
+            current = sql_path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            current = None
+        if current != text or not db_path.exists():
+            _write_catalog_db(self.root, db_path)
+        if current != text:
+            layout.write_text_atomic(sql_path, text)
+
+    def _partition(self, table: str, run_id: str) -> _Partition:
+        key = (table, run_id)
+        part = self._partitions.get(key)
+        if part is not None:
+            return part
+        path = layout.partition_dir(self.root, table, run_id)
+        layout.ensure_dir(path)
+        fd = os.open(path / layout.LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise StoreError(
+                f"another writer (pid {holder}) is writing table {table!r} of run {run_id!r}; "
+                "a run's table takes one writer at a time"
+            ) from None
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            layout.remove_stale_tmp(path)
+            key_cols = tuple(k for k in schema.KEYS[table] if k != "run_id")
+            part = _Partition(table, run_id, path, fd, key_cols)
+            _load_partition(part)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._partitions[key] = part
+        return part
+
+    # ------------------------------------------------------------------ reading
+
+    def connect(self) -> duckdb.DuckDBPyConnection:
+        """A fresh in-memory DuckDB connection with the views runs, steps, req_steps,
+        requests and workload_summary (empty, typed views while the store has no files)."""
+        con = duckdb.connect()
+        con.execute("SET TimeZone = 'UTC'")
+        present = {t: _has_files(self.root, t) for t in schema.TABLES}
+        for stmt in views.view_statements(self.root, present):
+            con.execute(stmt)
+        return con
+
+    def query(self, sql: str) -> pa.Table:
+        """Run read-only SQL against the views; anything that writes raises QueryRefused."""
+        check_read_only(sql)
+        con = self.connect()
+        try:
+            rel = con.sql(sql)
+            if rel is None:  # a statement without a result (e.g. some PRAGMAs)
+                return pa.table({})
+            return _to_arrow(rel)
+        finally:
+            con.close()
+
+    def export(self, dest_dir: str | os.PathLike[str], run_id: str | None = None) -> dict[str, int]:
+        """Write each table (optionally one run) to ``dest_dir/<table>.parquet``, in key order.
+
+        Returns rows per table. Each file appears atomically (temp name, then rename).
+        """
+        dest = Path(dest_dir)
+        dest.mkdir(parents=True, exist_ok=True)
+        where = f" WHERE run_id = {views.sql_str(run_id)}" if run_id is not None else ""
+        counts: dict[str, int] = {}
+        con = self.connect()
+        try:
+            for table in schema.TABLES:
+                order = ", ".join(views.ident(k) for k in schema.KEYS[table])
+                final = dest / f"{table}.parquet"
+                tmp = dest / f".{table}.parquet{layout.TMP_SUFFIX}"
+                con.execute(
+                    f"COPY (SELECT * FROM {table}{where} ORDER BY {order}) TO "
+                    f"{views.sql_str(tmp)} (FORMAT parquet, COMPRESSION snappy)"
+                )
+                os.replace(tmp, final)
+                counts[table] = pq.read_metadata(final).num_rows
+        finally:
+            con.close()
+        return counts
+
+    def info(self) -> dict[str, object]:
+        """Tables (rows, segments, bytes) and runs (mode, workload, rows per table)."""
+        tables: dict[str, dict[str, int]] = {}
+        for table in schema.TABLES:
+            files = _segments_of(self.root, table)
+            tables[table] = {
+                "segments": len(files),
+                "bytes": sum(f.stat().st_size for f in files if f.exists()),
+            }
+        con = self.connect()
+        try:
+            for table in schema.TABLES:
+                tables[table]["rows"] = con.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+            per_run = " UNION ALL ".join(
+                f"SELECT run_id, '{t}' AS t, count(*) AS n FROM {t} GROUP BY run_id"
+                for t in ("steps", "req_steps", "requests")
+            )
+            rows = con.execute(
+                f"""
+                WITH c AS ({per_run}),
+                ids AS (SELECT run_id FROM runs UNION SELECT run_id FROM c)
+                SELECT ids.run_id, r.mode, r.workload, r.gamma, r.source,
+                       coalesce(sum(n) FILTER (WHERE t = 'steps'), 0),
+                       coalesce(sum(n) FILTER (WHERE t = 'req_steps'), 0),
+                       coalesce(sum(n) FILTER (WHERE t = 'requests'), 0)
+                FROM ids LEFT JOIN runs r USING (run_id) LEFT JOIN c USING (run_id)
+                GROUP BY ALL ORDER BY ids.run_id
+                """
+            ).fetchall()
+        finally:
+            con.close()
+        cols = ("run_id", "mode", "workload", "gamma", "source", "steps", "req_steps", "requests")
+        return {
+            "root": str(self.root.resolve()),
+            "tables": tables,
+            "runs": [dict(zip(cols, r, strict=True)) for r in rows],
+        }
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _to_arrow(rel: duckdb.DuckDBPyRelation) -> pa.Table:
+    """A relation's rows as a pyarrow.Table (DuckDB 2 renamed ``arrow`` to_arrow_table)."""
+    fetch = getattr(rel, "to_arrow_table", None) or rel.arrow
+    return fetch()
+
+
+def _conform(table: str, batch: pa.Table) -> pa.Table:
+    """Accept a batch of the table's schema (cast if needed); refuse null keys."""
+    target = schema.TABLES.get(table)
+    if target is None:
+        raise StoreError(f"unknown table {table!r}; expected one of {sorted(schema.TABLES)}")
+    if not isinstance(batch, pa.Table):
+        raise StoreError(f"{table}: expected a pyarrow.Table, got {type(batch).__name__}")
+    if not batch.schema.equals(target, check_metadata=False):
+        try:
+            batch = schema.to_table(table, batch)[0]
+        except schema.SchemaError as exc:
+            raise StoreError(str(exc)) from exc
+    for key in schema.KEYS[table]:
+        if batch.column(key).null_count:
+            raise StoreError(f"{table}.{key}: key column has nulls; validate the batch first")
+    return batch
+
+
+def _split_by_run(batch: pa.Table) -> Iterator[tuple[str, pa.Table]]:
+    col = batch.column("run_id")
+    first = col[0].as_py()
+    if pc.all(pc.equal(col, first)).as_py():
+        yield first, batch
+        return
+    for run_id in pc.unique(col).to_pylist():
+        yield run_id, batch.filter(pc.equal(col, run_id))
+
+
+def _step_ranges(batch: pa.Table) -> dict[int, tuple[int, int]]:
+    """Per dp_rank: (min, max) forward_ct of the batch."""
+    dp = batch.column("dp_rank").to_numpy()
+    fct = batch.column("forward_ct").to_numpy()
+    if dp.min() == dp.max():
+        return {int(dp[0]): (int(fct.min()), int(fct.max()))}
+    out = {}
+    for d in np.unique(dp):
+        f = fct[dp == d]
+        out[int(d)] = (int(f.min()), int(f.max()))
+    return out
+
+
+def _dedupe_in_batch(batch: pa.Table, key_cols: tuple[str, ...]) -> pa.Table:
+    """Keep the first row of each key (vectorized; no per-row Python)."""
+    n = batch.num_rows
+    if n <= 1:
+        return batch
+    if not key_cols:
+        return batch.slice(0, 1)
+    if "forward_ct" in key_cols:
+        dp = batch.column("dp_rank").to_numpy().astype(np.int64)
+        fct = batch.column("forward_ct").to_numpy()
+        packable = dp.min() >= 0 and dp.max() < (1 << 22)
+        if packable and fct.min() >= 0 and fct.max() < (1 << _DP_SHIFT):
+            step = (dp << _DP_SHIFT) | fct
+            diff = np.diff(step)
+            if "rid" not in key_cols:
+                if (diff > 0).all():
+                    return batch
+                key = step
+            else:
+                rid = pc.dictionary_encode(batch.column("rid").combine_chunks())
+                codes = rid.indices.to_numpy().astype(np.int64)
+                # Number the steps 0..G-1 (cheap when sorted), then (step, rid) fits one int64.
+                if (diff >= 0).all():
+                    group = np.concatenate(([0], np.cumsum(diff != 0)))
+                else:
+                    group = pd.factorize(step)[0].astype(np.int64)
+                key = group * len(rid.dictionary) + codes
+            dup = pd.Index(key).duplicated(keep="first")
+            return batch.filter(pa.array(~dup)) if dup.any() else batch
+    # General (small tables, odd values): hash group-by on the key columns.
+    idx = pa.array(np.arange(n, dtype=np.int64))
+    first = (
+        batch.select(list(key_cols))
+        .append_column("__i", idx)
+        .group_by(list(key_cols), use_threads=False)
+        .aggregate([("__i", "min")])
+        .column("__i_min")
+        .to_numpy()
+    )
+    if len(first) == n:
+        return batch
+    return batch.take(pa.array(np.sort(first)))
+
+
+def _anti_join(batch: pa.Table, stored: pa.Table, key_cols: tuple[str, ...]) -> pa.Table:
+    """Rows of ``batch`` whose key is not in ``stored`` (batch order kept)."""
+    cols = list(key_cols)
+    left = batch.select(cols).append_column("__i", pa.array(np.arange(batch.num_rows)))
+    right = stored.select(cols).cast(left.select(cols).schema)
+    keep = left.join(right, keys=cols, join_type="left anti").column("__i").to_numpy()
+    if len(keep) == batch.num_rows:
+        return batch
+    return batch.take(pa.array(np.sort(keep)))
+
+
+def _load_partition(part: _Partition) -> None:
+    """Read what a partition stores: segment footers (step ranges) or key columns."""
+    for path in layout.segment_files(part.path):
+        md = pq.read_metadata(path)
+        ranges: dict[int, tuple[int, int]] = {}
+        if part.by_step:
+            raw = (md.metadata or {}).get(_RANGES_KEY)
+            if raw is not None:
+                ranges = {int(k): (int(v[0]), int(v[1])) for k, v in json.loads(raw).items()}
+            else:
+                ranges = _step_ranges(pq.read_table(path, columns=["dp_rank", "forward_ct"]))
+        part.segments.append(_Segment(path, md.num_rows, ranges))
+    if not part.by_step and part.key_cols and part.segments:
+        part.keys = pa.concat_tables(
+            [pq.read_table(s.path, columns=list(part.key_cols)) for s in part.segments]
+        )
+
+
+def _placeholder_ok(path: Path, sch: pa.Schema) -> bool:
+    try:
+        return pq.read_schema(path).equals(sch, check_metadata=False)
+    except (FileNotFoundError, pa.ArrowInvalid, OSError):
+        return False
+
+
+def _write_catalog_db(root: Path, db_path: Path) -> None:
+    """Build the views-only catalog.duckdb under a temp name and rename it into place."""
+    tmp = db_path.with_name(f".{db_path.name}.{os.getpid()}{layout.TMP_SUFFIX}")
+    tmp.unlink(missing_ok=True)
+    try:
+        con = duckdb.connect(str(tmp))
+        try:
+            for stmt in views.view_statements(root, dict.fromkeys(schema.TABLES, True)):
+                con.execute(stmt)
+        finally:
+            con.close()
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, db_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+        Path(f"{tmp}.wal").unlink(missing_ok=True)
+    layout.fsync_dir(db_path.parent)
+
+
+def _segments_of(root: Path, table: str) -> list[Path]:
+    tdir = layout.table_dir(root, table)
+    try:
+        parts = sorted(p for p in tdir.iterdir() if p.is_dir())
+    except FileNotFoundError:
+        return []
+    return [f for p in parts for f in layout.segment_files(p)]
+
+
+def _has_files(root: Path, table: str) -> bool:
+    if layout.placeholder_path(root, table).exists():
+        return True
+    return bool(_segments_of(root, table))

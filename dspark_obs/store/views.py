@@ -1,0 +1,102 @@
+"""The SQL views readers see: one per table over its Parquet segments, plus workload_summary.
+
+The same statements go to three places: every :meth:`Store.connect` connection,
+``root/catalog.sql`` (``.read`` it in a duckdb shell) and ``root/catalog.duckdb``. Views
+re-expand their glob on every query, so a long-lived connection sees new segments as soon as
+they are renamed into place.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import duckdb
+
+from dspark_obs.schema import KEYS, TABLES
+from dspark_obs.store import layout
+
+VIEW_NAMES = (*TABLES, "workload_summary")
+
+# Per run and workload: how many steps and requests, the mean window, the mean committed
+# length and the mean ceiling (acc_len + cap_trim, what a full-block verify would have
+# committed), and utilization as a ratio of sums (never a mean of per-step ratios).
+# cap_trim is only observed in cap-accept runs; in compact and static runs ceiling = committed.
+WORKLOAD_SUMMARY_SQL = """
+SELECT
+    s.run_id,
+    coalesce(s.workload, r.workload, 'unknown') AS workload,
+    any_value(r.mode) AS mode,
+    count(DISTINCT (s.dp_rank, s.forward_ct)) AS steps,
+    count(*) AS req_steps,
+    count(DISTINCT s.rid) AS requests,
+    avg(s.verify_len) AS mean_verify_len,
+    avg(s.acc_len) AS mean_acc_len,
+    avg(s.acc_len + coalesce(s.cap_trim, 0)) AS mean_ceiling,
+    sum(s.acc_len)::BIGINT AS committed_tokens,
+    sum(s.acc_len + coalesce(s.cap_trim, 0))::BIGINT AS ceiling_tokens,
+    sum(s.acc_len) / nullif(sum(s.acc_len + coalesce(s.cap_trim, 0)), 0) AS utilization
+FROM req_steps AS s
+LEFT JOIN runs AS r USING (run_id)
+GROUP BY s.run_id, coalesce(s.workload, r.workload, 'unknown')
+"""
+
+
+def sql_str(value: str | Path) -> str:
+    """A SQL string literal."""
+    return "'" + str(value).replace("'", "''") + "'"
+
+
+def ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+@functools.cache
+def duckdb_types(table: str) -> tuple[tuple[str, str], ...]:
+    """(column, DuckDB type) of a table, derived from its Arrow schema by DuckDB itself."""
+    con = duckdb.connect()
+    try:
+        empty = TABLES[table].empty_table()  # noqa: F841 - read by DuckDB's replacement scan
+        rows = con.execute("DESCRIBE SELECT * FROM empty").fetchall()
+    finally:
+        con.close()
+    return tuple((r[0], r[1]) for r in rows)
+
+
+def table_select(root: Path, table: str, has_files: bool) -> str:
+    """SELECT over a table's segments; a typed empty SELECT when there are no files at all."""
+    cols = ", ".join(ident(c) for c in TABLES[table].names)
+    if not has_files:
+        typed = ", ".join(f"CAST(NULL AS {t}) AS {ident(c)}" for c, t in duckdb_types(table))
+        return f"SELECT {typed} WHERE false"
+    src = (
+        f"read_parquet({sql_str(layout.segment_glob(root, table))}, hive_partitioning = true, "
+        "union_by_name = true, hive_types = {'run_id': VARCHAR})"
+    )
+    return f"SELECT {cols} FROM {src}"
+
+
+def view_statements(root: Path, present: dict[str, bool]) -> list[str]:
+    """CREATE VIEW statements for every view; ``present[table]``: the table's glob matches."""
+    stmts = [
+        f"CREATE OR REPLACE VIEW {t} AS {table_select(root, t, present.get(t, False))}"
+        for t in TABLES
+    ]
+    stmts.append(f"CREATE OR REPLACE VIEW workload_summary AS {WORKLOAD_SUMMARY_SQL.strip()}")
+    return stmts
+
+
+def catalog_sql(root: Path) -> str:
+    """The text of ``root/catalog.sql`` (absolute paths, so it works from any directory)."""
+    root = root.resolve()
+    head = [
+        "-- dspark-obs store catalog: read-only views over this store's Parquet segments.",
+        f"--   duckdb -c \".read {root / layout.CATALOG_SQL}\" -c \"FROM workload_summary\"",
+        f"--   duckdb -readonly {root / layout.CATALOG_DB}",
+        "-- Views re-read the segment globs on every query: new segments appear as they land.",
+        "-- Keys (a row with the same key is the same fact): "
+        + "; ".join(f"{t}({', '.join(k)})" for t, k in KEYS.items()),
+        "SET TimeZone = 'UTC';",
+    ]
+    body = [s + ";" for s in view_statements(root, dict.fromkeys(TABLES, True))]
+    return "\n".join(head + body) + "\n"

@@ -1,0 +1,191 @@
+"""The decode loop on tiny random models: lossless modes, cap-accept == compact, records."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dspark_obs.engine.costs import AdditiveCostTable, CostTable
+from dspark_obs.engine.drafter import Drafter, DrafterConfig
+from dspark_obs.engine.loop import Engine, EngineConfig, EngineError, GenRequest
+from dspark_obs.engine.model import ModelConfig, Target
+from dspark_obs.fanout import FanOut, MemorySink
+
+VOCAB = 6  # a tiny vocabulary so random drafts are often accepted
+
+
+def _models(seed: int = 0) -> tuple[Target, Drafter]:
+    torch.manual_seed(seed)
+    cfg = ModelConfig.tiny(vocab_size=VOCAB, max_position=512)
+    target = Target(cfg).double().eval()
+    dcfg = DrafterConfig.for_target(
+        target, num_layers=1, markov_rank=4, gamma_max=5, context_window=64
+    )
+    drafter = Drafter(dcfg, target).double().eval()
+    return target, drafter
+
+
+def _trimming_table() -> CostTable:
+    """Step time grows steeply with verify tokens, so the scheduler trims windows."""
+    return AdditiveCostTable.from_dict(
+        {
+            "bias_seconds": 0.01,
+            "bs_probes": [1, 16],
+            "alpha_seconds": [0.0, 0.0],
+            "m_probes": [1, 8, 16, 64, 128],
+            "theta_seconds": [0.0, 0.01, 0.03, 0.15, 0.4],
+        }
+    )
+
+
+def _requests(n: int, seed: int = 0, temperature: float = 0.0) -> list[GenRequest]:
+    rng = np.random.default_rng(seed)
+    return [
+        GenRequest(
+            rid=f"r{i}",
+            prompt_ids=rng.integers(0, VOCAB, size=int(rng.integers(3, 9))).tolist(),
+            max_new_tokens=int(rng.integers(10, 30)),
+            workload="math",
+            temperature=temperature,
+            seed=100 + i,
+            arrival_step=int(rng.integers(0, 6)),
+        )
+        for i in range(n)
+    ]
+
+
+def _greedy_reference(target: Target, prompt: list[int], n: int) -> list[int]:
+    cache = target.new_cache(len(prompt) + n + 1)
+    out = target.forward([torch.tensor(prompt)], [cache])
+    seq = []
+    for _ in range(n):
+        tok = int(torch.argmax(out.logits[0][-1]))
+        seq.append(tok)
+        out = target.forward([torch.tensor([tok])], [cache])
+    return seq
+
+
+def _run(
+    target: Target,
+    drafter: Drafter,
+    mode: str,
+    reqs: list[GenRequest],
+    max_batch: int,
+    table: CostTable | None = None,
+    run_id: str = "run",
+):
+    sink = MemorySink()
+    fan = FanOut([sink])
+    eng = Engine(
+        target, drafter, EngineConfig(mode=mode, gamma=5, max_batch=max_batch, cost_table=table)
+    )
+    res = eng.run(reqs, fan.emit, run_id)
+    assert fan.errors == [], [str(e) for e in fan.errors[:3]]
+    return res, sink
+
+
+@pytest.mark.parametrize("max_batch", [1, 3, 8])
+@pytest.mark.parametrize("mode", ["static", "compact", "cap-accept"])
+def test_greedy_output_equals_target_greedy(mode: str, max_batch: int) -> None:
+    target, drafter = _models()
+    reqs = _requests(6)
+    res, _ = _run(target, drafter, mode, reqs, max_batch, _trimming_table())
+    for r in reqs:
+        assert res.outputs[r.rid] == _greedy_reference(target, r.prompt_ids, r.max_new_tokens)
+
+
+def test_cap_accept_commits_what_compact_commits_and_exposes_the_ceiling() -> None:
+    target, drafter = _models(1)
+    reqs = _requests(8, seed=1)
+    table = _trimming_table()
+    _, compact = _run(target, drafter, "compact", reqs, 4, table, "c")
+    _, cap = _run(target, drafter, "cap-accept", reqs, 4, table, "k")
+    _, static = _run(target, drafter, "static", reqs, 4, None, "s")
+    c = compact.table("req_steps").to_pandas().sort_values(["forward_ct", "rid"])
+    k = cap.table("req_steps").to_pandas().sort_values(["forward_ct", "rid"])
+    assert len(c) == len(k)
+    for col in ("rid", "verify_len", "acc_len", "correct_drafts", "bonus_token"):
+        assert c[col].tolist() == k[col].tolist(), col
+    # The scheduler really trimmed, and trimming really hid accepted drafts.
+    assert (c.verify_len < 6).mean() > 0.3
+    assert k.cap_trim.sum() > 0
+    assert (c.cap_trim == 0).all()
+    # cap_trim = correct_full - min(correct_full, verify_len - 1): with greedy drafts the
+    # full-block truth is the leading match length against the static run's target rows.
+    ceiling = k.acc_len + k.cap_trim
+    assert (ceiling <= 6).all() and (ceiling >= k.acc_len).all()
+    assert (k.correct_drafts + k.cap_trim <= 5).all()
+    assert (k.cap_trim[k.correct_drafts < k.verify_len - 1] == 0).all()
+    # Static commits whole blocks: its mean accept length is an upper bound of compact's.
+    s = static.table("req_steps").to_pandas()
+    assert s.acc_len.mean() >= c.acc_len.mean()
+
+
+def test_sampled_cap_accept_matches_compact_token_for_token() -> None:
+    target, drafter = _models(2)
+    reqs = _requests(5, seed=2, temperature=0.9)
+    table = _trimming_table()
+    rc, _ = _run(target, drafter, "compact", reqs, 3, table, "c")
+    rk, _ = _run(target, drafter, "cap-accept", reqs, 3, table, "k")
+    assert rc.outputs == rk.outputs
+
+
+def test_compact_processes_sum_of_verify_len_tokens() -> None:
+    target, drafter = _models(3)
+    reqs = _requests(5, seed=3)
+    res, sink = _run(target, drafter, "compact", reqs, 4, _trimming_table())
+    rs = sink.table("req_steps").to_pandas()
+    steps = sink.table("steps").to_pandas()
+    prompts = sum(len(r.prompt_ids) for r in reqs)
+    assert res.target_tokens == prompts + rs.verify_len.sum()
+    per_step = rs.groupby("forward_ct").verify_len.sum()
+    assert (
+        steps.set_index("forward_ct").num_verify_tokens.loc[per_step.index].tolist()
+        == per_step.tolist()
+    )
+
+
+def test_records_are_consistent_and_censored_blocks_are_recorded() -> None:
+    target, drafter = _models(4)
+    reqs = _requests(8, seed=4)
+    _, sink = _run(target, drafter, "compact", reqs, 8, _trimming_table())
+    rs = sink.table("req_steps").to_pandas()
+    requests = sink.table("requests").to_pandas()
+    assert sorted(requests.rid) == sorted(r.rid for r in reqs)
+    # completion tokens = first token (prefill) + everything committed in steps
+    committed = rs.groupby("rid").acc_len.sum()
+    for _, row in requests.iterrows():
+        assert row.completion_tokens == 1 + committed.get(row.rid, 0)
+        assert row.first_token_time >= row.arrival_time
+    censored = rs[rs.trimmed_tokens.notna()]
+    assert len(censored) > 0
+    for _, row in censored.iterrows():
+        assert row.correct_drafts == row.verify_len - 1 < 5
+        assert len(row.trimmed_tokens) == len(row.q_lp) == 5 - (row.verify_len - 1)
+        assert list(row.trimmed_tokens) == list(row.draft_tokens)[row.verify_len - 1 :]
+    # Every pg entry points at an earlier-or-same censored step of the same request.
+    src = {(r.rid, r.forward_ct) for r in censored.itertuples()}
+    pgs = rs[rs.pg.notna()]
+    assert len(pgs) > 0
+    for row in pgs.itertuples():
+        for e in row.pg:
+            assert (row.rid, e["src_fct"]) in src
+            assert e["src_fct"] <= row.forward_ct
+
+
+def test_bad_input_is_refused_before_anything_is_written() -> None:
+    target, drafter = _models()
+    with pytest.raises(EngineError, match="unknown mode"):
+        EngineConfig(mode="fast")
+    with pytest.raises(EngineError, match="gamma"):
+        EngineConfig(gamma=0)
+    eng = Engine(target, drafter, EngineConfig())
+    sink = MemorySink()
+    bad = [GenRequest("a", [1, 2], 5), GenRequest("b", [], 5)]
+    with pytest.raises(EngineError, match="empty prompt"):
+        eng.run(bad, FanOut([sink]).emit, "x")
+    too_long = [GenRequest("c", [1] * 500, 100)]
+    with pytest.raises(EngineError, match="exceeds the context"):
+        eng.run(too_long, FanOut([sink]).emit, "x")
+    assert sink.batches == {}
