@@ -61,7 +61,7 @@ SGLANG_REQ_INT_FIELDS = (
 PG_TYPE = pa.struct(
     [
         ("src_fct", pa.int64()),  # forward_ct of the step whose block was censored
-        ("k", pa.int32()),  # offset inside that block's trimmed drafts (0-based)
+        ("k", pa.int32()),  # 1-based draft position in that block (SGLang): verify_len..gamma
         ("target_logprob", pa.float32()),  # target log-prob of the trimmed draft token
         ("draft_token", pa.int32()),
         ("realized_token", pa.int32()),
@@ -207,10 +207,11 @@ def _to_table(
     if isinstance(rows, pa.Table):
         return _conform(table, rows), [], None
     rows = [_fill_defaults(table, r) for r in rows]
-    try:
-        return pa.Table.from_pylist(rows, schema=schema), [], None
-    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
-        pass
+    if not _has_fractional_int(schema, rows):  # pyarrow would silently truncate 2.5 -> 2
+        try:
+            return pa.Table.from_pylist(rows, schema=schema), [], None
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
+            pass
     # Slow path, only for a batch that holds a bad row: find the bad rows one by one.
     good, kept, errors = [], [], []
     for i, row in enumerate(rows):
@@ -235,6 +236,31 @@ def _fill_defaults(table: str, row: Mapping[str, Any]) -> dict[str, Any]:
     return row
 
 
+def _is_int_field(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or (pa.types.is_list(t) and pa.types.is_integer(t.value_type))
+
+
+def _fractional(value: Any) -> bool:
+    """A float with a fraction where an int (or a list of ints) belongs."""
+    if isinstance(value, float):
+        return not value.is_integer()
+    if isinstance(value, list | tuple):
+        return any(isinstance(x, float) and not x.is_integer() for x in value)
+    return False
+
+
+def _has_fractional_int(schema: pa.Schema, rows: Sequence[Mapping[str, Any]]) -> bool:
+    for field in schema:
+        if not _is_int_field(field.type):
+            continue
+        col = [row.get(field.name) for row in rows]
+        if pa.types.is_list(field.type):
+            col = [x for v in col if isinstance(v, list | tuple) for x in v]
+        if any(issubclass(t, float) for t in set(map(type, col))) and any(map(_fractional, col)):
+            return True
+    return False
+
+
 def _row_type_error(table: str, schema: pa.Schema, i: int, row: Mapping[str, Any]) -> RecordError | None:
     for field in schema:
         value = row.get(field.name)
@@ -242,6 +268,9 @@ def _row_type_error(table: str, schema: pa.Schema, i: int, row: Mapping[str, Any
             if not field.nullable:
                 return RecordError(table, i, field.name, None, "required field is missing")
             continue
+        if _is_int_field(field.type) and _fractional(value):
+            reason = f"expected {field.type}, got a fraction"
+            return RecordError(table, i, field.name, value, reason)
         try:
             pa.array([value], type=field.type)
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as exc:

@@ -42,7 +42,10 @@ def loop_bins(p, y, n_bins=15):
 def loop_ece(p, y, n_bins=15):
     count, ps, ys = loop_bins(p, y, n_bins)
     n = sum(count)
-    return sum(abs(ps[b] / count[b] - ys[b] / count[b]) * count[b] for b in range(n_bins) if count[b]) / n
+    return (
+        sum(abs(ps[b] / count[b] - ys[b] / count[b]) * count[b] for b in range(n_bins) if count[b])
+        / n
+    )
 
 
 def loop_mce(p, y, n_bins=15):
@@ -107,7 +110,9 @@ def test_auroc_hand_and_single_class():
 
 def test_equal_mass_hand_case():
     # 4 samples, 2 bins: {0.1, 0.2} labels {0, 1} -> |0.15-0.5|; {0.7, 0.9} labels {1, 1} -> |0.8-1|
-    assert ece_equal_mass([0.9, 0.1, 0.7, 0.2], [1, 0, 1, 1], n_bins=2) == pytest.approx((2 * 0.35 + 2 * 0.2) / 4)
+    assert ece_equal_mass([0.9, 0.1, 0.7, 0.2], [1, 0, 1, 1], n_bins=2) == pytest.approx(
+        (2 * 0.35 + 2 * 0.2) / 4
+    )
 
 
 def test_reliability_bins_hand_case():
@@ -232,11 +237,16 @@ def test_censored_estimate_is_consistent_with_full_verification():
         full[i] = k
     vl = rng.integers(1, gamma + 2, size=n)
     cd = np.minimum(full, vl - 1)
-    compact = _rows([(int(v), int(c), 0, [0.5] * gamma) for v, c in zip(vl, cd, strict=True)], gamma=gamma)
-    cap = _rows(
-        [(int(v), int(c), int(f - c), [0.5] * gamma) for v, c, f in zip(vl, cd, full, strict=True)], gamma=gamma
+    compact = _rows(
+        [(int(v), int(c), 0, [0.5] * gamma) for v, c in zip(vl, cd, strict=True)], gamma=gamma
     )
-    ca_c = conditional_acceptance(position_labels(compact, mode="compact"))["accept_rate"].to_numpy()
+    cap = _rows(
+        [(int(v), int(c), int(f - c), [0.5] * gamma) for v, c, f in zip(vl, cd, full, strict=True)],
+        gamma=gamma,
+    )
+    ca_c = conditional_acceptance(position_labels(compact, mode="compact"))[
+        "accept_rate"
+    ].to_numpy()
     ca_a = conditional_acceptance(position_labels(cap, mode="cap-accept"))["accept_rate"].to_numpy()
     assert np.abs(ca_a - cond).max() < 0.03
     assert np.abs(ca_c - cond).max() < 0.05
@@ -269,8 +279,16 @@ def test_calibration_table_bootstrap_matches_loop_resampling():
             vl = int(rng.integers(1, 7))
             cd = int(rng.integers(0, vl))
             rows.append(
-                {"run_id": "a", "rid": f"q{r}", "forward_ct": s, "gamma": 5, "verify_len": vl, "correct_drafts": cd,
-                 "workload": "chat", "confidence": rng.uniform(0.3, 1.0, 5).round(4).tolist()}
+                {
+                    "run_id": "a",
+                    "rid": f"q{r}",
+                    "forward_ct": s,
+                    "gamma": 5,
+                    "verify_len": vl,
+                    "correct_drafts": cd,
+                    "workload": "chat",
+                    "confidence": rng.uniform(0.3, 1.0, 5).round(4).tolist(),
+                }
             )
     lab = position_labels(pd.DataFrame(rows), mode="compact")
     n_boot, seed = 60, 5

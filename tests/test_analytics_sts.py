@@ -36,7 +36,10 @@ def loop_ece(p, y, n_bins=15):
     n = sum(count)
     if n == 0:
         return float("nan")
-    return sum(abs(ps[b] / count[b] - ys[b] / count[b]) * count[b] for b in range(n_bins) if count[b]) / n
+    return (
+        sum(abs(ps[b] / count[b] - ys[b] / count[b]) * count[b] for b in range(n_bins) if count[b])
+        / n
+    )
 
 
 def loop_fit(z, y, grid, n_bins=15):
@@ -63,7 +66,7 @@ def loop_fit(z, y, grid, n_bins=15):
 
 
 def miscalibrated(n, gamma, seed, scale=3.0):
-    """True per-position logits u; labels are prefix products of Bernoulli(sigmoid(u)); z = scale*u."""
+    """True logits u; labels: prefix products of Bernoulli(sigmoid(u)); returns z = scale * u."""
     rng = np.random.default_rng(seed)
     u = rng.normal(1.0, 1.2, size=(n, gamma))
     acc = rng.random((n, gamma)) < 1 / (1 + np.exp(-u))
@@ -168,7 +171,10 @@ def test_json_with_nan_ece_stays_loadable_by_sglang():
         ('{"temperatures": [NaN]}', "finite"),
         ('{"temperatures": [1.0], "num_samples": -1}', "num_samples"),
         ('{"temperatures": [1.0], "num_samples": 1.5}', "num_samples"),
-        ('{"temperatures": [1.0, 2.0], "ece_after": [0.1]}', "'ece_after' has 1 values but there are 2"),
+        (
+            '{"temperatures": [1.0, 2.0], "ece_after": [0.1]}',
+            "'ece_after' has 1 values but there are 2",
+        ),
         ('{"temperatures": [1.0], "ece_before": "x"}', "'ece_before' must be a list"),
         ('{"temperatures": [1.0], "dataset": 3}', "'dataset' must be a string"),
     ],
@@ -232,3 +238,9 @@ def test_heldout_improves_on_synthetic_requests():
     ho = fit_sts_heldout(StsData(z, y, np.ones_like(y, dtype=bool), req), heldout_frac=0.3, seed=1)
     assert ho.heldout_requests == 90
     assert ho.pooled_after < ho.pooled_before
+
+
+def test_ties_keep_the_first_temperature_like_sglang():
+    # every candidate T < 2.7 drives the survival into the clamp: equal ECE, the first wins
+    cal = fit_sts(np.full((10, 1), 50.0), np.ones((10, 1)))
+    assert cal.temperatures[0] == temperature_grid()[0]

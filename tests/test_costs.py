@@ -135,7 +135,9 @@ MALFORMED = [
 ]
 
 
-@pytest.mark.parametrize(("text", "needle"), [m[1:] for m in MALFORMED], ids=[m[0] for m in MALFORMED])
+@pytest.mark.parametrize(
+    ("text", "needle"), [m[1:] for m in MALFORMED], ids=[m[0] for m in MALFORMED]
+)
 def test_malformed_file_names_file_and_problem(tmp_path: Path, text: str, needle: str) -> None:
     path = _write(tmp_path, text)
     with pytest.raises(CostTableError) as err:

@@ -165,13 +165,17 @@ def test_records_are_consistent_and_censored_blocks_are_recorded() -> None:
         assert len(row.trimmed_tokens) == len(row.q_lp) == 5 - (row.verify_len - 1)
         assert list(row.trimmed_tokens) == list(row.draft_tokens)[row.verify_len - 1 :]
     # Every pg entry points at an earlier-or-same censored step of the same request.
-    src = {(r.rid, r.forward_ct) for r in censored.itertuples()}
+    src = {(r.rid, r.forward_ct): r for r in censored.itertuples()}
     pgs = rs[rs.pg.notna()]
     assert len(pgs) > 0
     for row in pgs.itertuples():
         for e in row.pg:
-            assert (row.rid, e["src_fct"]) in src
+            blk = src[(row.rid, e["src_fct"])]
             assert e["src_fct"] <= row.forward_ct
+            # k is SGLang's 1-based draft position of a trimmed draft: verify_len..gamma
+            assert blk.verify_len <= e["k"] <= 5
+            assert e["draft_token"] == blk.trimmed_tokens[e["k"] - blk.verify_len]
+            assert e["target_logprob"] <= 0
 
 
 def test_bad_input_is_refused_before_anything_is_written() -> None:

@@ -41,7 +41,10 @@ def ref_allocate(survival: np.ndarray, b: int, eps: float = SURVIVAL_EPS) -> lis
     """Rank (value desc, position asc, request asc), take b, count per request."""
     bs, gamma = survival.shape
     entries = [
-        (-float(survival[r, j]), j, r) for r in range(bs) for j in range(gamma) if survival[r, j] >= eps
+        (-float(survival[r, j]), j, r)
+        for r in range(bs)
+        for j in range(gamma)
+        if survival[r, j] >= eps
     ]
     entries.sort()
     lens = [1] * bs
@@ -163,7 +166,10 @@ def test_allocate_windows_are_prefixes_of_the_top_b() -> None:
         surv = np.cumprod(np.round(rng.uniform(0, 1, (bs, gamma)) * 3) / 3, axis=1)
         b = int(rng.integers(0, bs * gamma + 1))
         lens = allocate(surv, b, survival_eps=0.0)
-        taken = {(r, j) for _, j, r in sorted((-surv[r, j], j, r) for r in range(bs) for j in range(gamma))[:b]}
+        taken = {
+            (r, j)
+            for _, j, r in sorted((-surv[r, j], j, r) for r in range(bs) for j in range(gamma))[:b]
+        }
         window = {(r, j) for r in range(bs) for j in range(lens[r] - 1)}
         assert taken == window
 

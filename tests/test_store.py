@@ -3,12 +3,15 @@ queries, export, empty stores. Writers run as real subprocesses (tests/test_stor
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import random
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import duckdb
@@ -40,10 +43,15 @@ def spawn_writer(root: Path, run_id: str, n: int, *extra: str) -> subprocess.Pop
     return proc
 
 
+@functools.cache
+def source(run_id: str, n: int) -> tuple[tuple[str, int, pa.Table], ...]:
+    return tuple(src.source(run_id, n))
+
+
 def ingest(root: Path, run_id: str, n: int) -> Ack:
     ack = Ack()
     with Store(root) as store:
-        for table, _, batch in src.source(run_id, n):
+        for table, _, batch in source(run_id, n):
             ack += store.write(table, batch)
     return ack
 
@@ -56,6 +64,29 @@ def counts(store: Store) -> dict[str, tuple[int, int]]:
         row = store.query(f"SELECT count(*) AS n, count(DISTINCT ({key})) AS k FROM {table}")
         out[table] = (row.column("n")[0].as_py(), row.column("k")[0].as_py())
     return out
+
+
+BATCH_ROWS = {
+    "runs": 1,
+    "steps": src.STEPS_PER_BATCH,
+    "req_steps": src.STEPS_PER_BATCH * src.REQS_PER_STEP,
+    "requests": src.REQS_PER_STEP,
+}
+
+
+def batch_counts(store: Store) -> dict[tuple[str, int], int]:
+    """Rows stored per (table, source batch number), in one query."""
+    per = src.STEPS_PER_BATCH
+    rows = store.query(
+        f"""
+        SELECT 'runs' AS t, 0 AS k, count(*) AS n FROM runs HAVING count(*) > 0
+        UNION ALL SELECT 'steps', forward_ct // {per}, count(*) FROM steps GROUP BY ALL
+        UNION ALL SELECT 'req_steps', forward_ct // {per}, count(*) FROM req_steps GROUP BY ALL
+        UNION ALL SELECT 'requests', CAST(split_part(rid, '-', 2) AS BIGINT), count(*)
+                  FROM requests GROUP BY ALL
+        """
+    ).to_pylist()
+    return {(r["t"], r["k"]): r["n"] for r in rows}
 
 
 def assert_exact(store: Store, n_batches: int) -> None:
@@ -131,41 +162,76 @@ CRASH_POINTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def fork_writer() -> Iterator[Callable[[list[str], Path], int]]:
+    """Start writers by forking a process that has imported everything once (fast)."""
+    proc = subprocess.Popen(
+        [sys.executable, WRITER, "--zygote"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    assert proc.stdout.readline() == "ZYGOTE\n"
+
+    def fork(argv: list[str], out: Path) -> int:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(json.dumps({"argv": argv, "out": str(out)}) + "\n")
+        proc.stdin.flush()
+        return int(proc.stdout.readline().split()[1])
+
+    yield fork
+    proc.stdin.close()
+    proc.wait(10)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait(cond: Callable[[], bool], timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.001)
+
+
 @pytest.mark.parametrize("trial", range(14 + len(CRASH_POINTS)))
 def test_kill_9_loses_nothing_acknowledged_and_restart_duplicates_nothing(
-    tmp_path: Path, trial: int
+    tmp_path: Path, trial: int, fork_writer: Callable[[list[str], Path], int]
 ) -> None:
     root = tmp_path / "store"
     n = 30
+    writes = len(source(RUN, n))
     rng = random.Random(trial)
-    if trial < 14:  # a real SIGKILL from outside at a random moment of the ingest
-        proc = spawn_writer(root, RUN, n)
-        time.sleep(rng.uniform(0.0, 0.35))
-        proc.send_signal(signal.SIGKILL)
+    acks = tmp_path / "acks.txt"
+    if trial < 14:  # SIGKILL from outside, after a random number of acks, mid-write
+        pid = fork_writer([str(root), RUN, str(n)], acks)
+        target = rng.randrange(writes)
+        _wait(lambda: not _alive(pid) or acks.exists() and acks.read_text().count("ACK") >= target)
+        time.sleep(rng.uniform(0.0, 0.01))
+        os.kill(pid, signal.SIGKILL)
     else:  # the writer SIGKILLs itself at a chosen point inside a write
-        proc = spawn_writer(root, RUN, n, "--crash", CRASH_POINTS[trial - 14])
-    out, err = proc.communicate(timeout=60)
-    if "DONE" not in out:
-        assert proc.returncode == -signal.SIGKILL, err
+        pid = fork_writer([str(root), RUN, str(n), "--crash", CRASH_POINTS[trial - 14]], acks)
+    _wait(lambda: not _alive(pid))
+    out = acks.read_text()
+    assert "DONE" not in out, "the writer should have been killed mid-ingest"
     acked = _acked(out)
 
     store = Store(root)
     got = counts(store)
     for table, (rows, keys) in got.items():
         assert rows == keys, f"{table}: duplicates after a crash"
-    # Every acknowledged batch is there, whole.
+    # Every acknowledged batch is there, whole; and whatever is there is whole batches.
+    present = batch_counts(store)
     for table, k in acked:
-        if table == "runs":
-            assert got["runs"][0] == 1
-            continue
-        lo, hi = k * src.STEPS_PER_BATCH, (k + 1) * src.STEPS_PER_BATCH
-        if table == "requests":
-            q = f"SELECT count(*) AS n FROM requests WHERE rid LIKE '%-{k}'"
-            want = src.REQS_PER_STEP
-        else:
-            q = f"SELECT count(*) AS n FROM {table} WHERE forward_ct >= {lo} AND forward_ct < {hi}"
-            want = src.STEPS_PER_BATCH * (src.REQS_PER_STEP if table == "req_steps" else 1)
-        assert store.query(q).column("n")[0].as_py() == want, (table, k)
+        assert present.get((table, k)) == BATCH_ROWS[table], (table, k, present.get((table, k)))
+    for (table, k), rows in present.items():
+        assert rows == BATCH_ROWS[table], f"{table} batch {k} is partly stored ({rows} rows)"
 
     # Restart: re-ingest the whole source. Exact counts, nothing twice, no temp files left.
     ack = ingest(root, RUN, n)
@@ -219,7 +285,9 @@ def test_duplicates_inside_a_batch_and_overlapping_batches(tmp_path: Path) -> No
     got = Store(root).query(
         "SELECT * FROM req_steps WHERE dp_rank = 0 ORDER BY forward_ct, rid"
     ).to_pylist()
-    want = sorted(pa.concat_tables([a, b, c]).to_pylist(), key=lambda r: (r["forward_ct"], r["rid"]))
+    want = sorted(
+        pa.concat_tables([a, b, c]).to_pylist(), key=lambda r: (r["forward_ct"], r["rid"])
+    )
     assert [r["draft_tokens"] for r in got] == [r["draft_tokens"] for r in want]
 
 
@@ -231,9 +299,8 @@ def test_a_batch_with_several_runs_and_odd_run_ids(tmp_path: Path) -> None:
         assert store.write("steps", batch).rows == batch.num_rows
         assert store.write("steps", batch).rows == 0
     got = Store(root).query("SELECT run_id, count(*) AS n FROM steps GROUP BY run_id")
-    assert dict(zip(got.column("run_id").to_pylist(), got.column("n").to_pylist(), strict=True)) == {
-        r: src.STEPS_PER_BATCH for r in ids
-    }
+    per_run = zip(got.column("run_id").to_pylist(), got.column("n").to_pylist(), strict=True)
+    assert dict(per_run) == dict.fromkeys(ids, src.STEPS_PER_BATCH)
     one = Store(root).query("SELECT count(*) AS n FROM steps WHERE run_id = 'a/b'")
     assert one.column("n")[0].as_py() == src.STEPS_PER_BATCH
 
@@ -400,8 +467,7 @@ def test_export_round_trips(tmp_path: Path) -> None:
         back = pq.read_table(tmp_path / "out" / f"{table}.parquet")
         assert [f.type for f in back.schema] == [f.type for f in sch]
         # Export is in key order; compare with the source in the same order.
-        batches = [b for t, _, b in src.source(RUN, 5) if t == table]
-        batches += [b for t, _, b in src.source("run-b", 2) if t == table]
+        batches = [b for t, _, b in source(RUN, 5) + source("run-b", 2) if t == table]
         keys = [(k, "ascending") for k in schema.KEYS[table]]
         orig = pa.concat_tables(batches).sort_by(keys)
         assert back.cast(sch).equals(orig), table
@@ -431,7 +497,6 @@ def test_segments_are_parquet_with_the_table_schema(tmp_path: Path) -> None:
     assert len(files) == 2
     t = pq.read_table(files[0])
     assert t.schema.equals(schema.REQ_STEPS, check_metadata=False)
-    assert np.array_equal(
-        t.column("forward_ct").to_numpy(), src.req_steps_batch(RUN, 0).column("forward_ct").to_numpy()
-    )
+    want = src.req_steps_batch(RUN, 0).column("forward_ct").to_numpy()
+    assert np.array_equal(t.column("forward_ct").to_numpy(), want)
     assert os.path.exists(root / "req_steps" / "run_id=run-a" / ".lock")

@@ -1,11 +1,16 @@
 """A deterministic record source and a writer process for the store tests (no tests here).
 
     python tests/test_store_source.py ROOT RUN_ID N_BATCHES [--sleep S] [--crash FN:N:WHEN]
+    python tests/test_store_source.py --zygote
 
-The writer prints ``READY`` once imported, then ``ACK <table> <k>`` after each write of
-batch ``k`` returned (i.e. was acknowledged as durable), then ``DONE``. ``--crash`` kills the
-writer itself with SIGKILL at the N-th call of ``os.replace`` or of the store's directory
-fsync, ``before`` or ``after`` the real call: deterministic crash points inside a write.
+The writer prints ``READY`` once its batches are built, then ``ACK <table> <k>`` after each
+write of batch ``k`` returned (i.e. was acknowledged as durable), then ``DONE``. ``--crash``
+kills the writer itself with SIGKILL at the N-th call of ``os.replace`` or of the store's
+directory fsync, ``before`` or ``after`` the real call: deterministic crash points.
+
+``--zygote`` imports everything once, then forks one writer process per JSON line read from
+stdin (``{"argv": [...], "out": path}``; the writer's stdout goes to ``out``) and answers
+``PID <pid>``: many writers to kill without paying the interpreter start-up each time.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -58,7 +64,8 @@ def req_steps_batch(run_id: str, k: int, dp_rank: int = 0) -> pa.Table:
                 "run_id": run_id, "dp_rank": dp_rank, "forward_ct": f, "rid": f"r{r}-{f // 50}",
                 "gamma": GAMMA, "req_pool_index": r, "prefix_len": 10 + f, "verify_len": verify,
                 "acc_len": correct + 1, "correct_drafts": correct, "cap_trim": full - correct,
-                "bonus_token": 7 * f + r, "draft_tokens": [int(x) for x in rng.integers(0, 500, GAMMA)],
+                "bonus_token": 7 * f + r,
+                "draft_tokens": [int(x) for x in rng.integers(0, 500, GAMMA)],
                 "confidence": conf.tolist(), "survival": np.round(np.cumprod(conf), 4).tolist(),
                 "workload": ("math", "chat", "poetry")[r % 3], "is_last": False,
             })
@@ -118,7 +125,7 @@ def _arm_crash(spec: str) -> None:
     setattr(target, attr, wrapped)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from dspark_obs.store import Store
 
     ap = argparse.ArgumentParser()
@@ -127,7 +134,7 @@ def main() -> None:
     ap.add_argument("n_batches", type=int)
     ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--crash", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     batches = list(source(args.run_id, args.n_batches))
     if args.crash:
         _arm_crash(args.crash)
@@ -145,5 +152,36 @@ def main() -> None:
     out.flush()
 
 
+def zygote() -> None:
+    """Fork writers on request; the children are reaped by the kernel (SIGCHLD ignored)."""
+    import json
+
+    import dspark_obs.store  # noqa: F401 - imported once, before any fork
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    sys.stdout.write("ZYGOTE\n")
+    sys.stdout.flush()
+    for line in sys.stdin:
+        req = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                fd = os.open(req["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(fd, 1)
+                sys.stdout = os.fdopen(1, "w", buffering=1)
+                main(req["argv"])
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        sys.stdout.write(f"PID {pid}\n")
+        sys.stdout.flush()
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--zygote"]:
+        zygote()
+    else:
+        main()

@@ -67,7 +67,7 @@ def clamp_probs(pred: np.ndarray) -> np.ndarray:
 
 
 def bin_index(pred: np.ndarray, n_bins: int = N_BINS) -> np.ndarray:
-    """SGLang's bin of each (already clamped) probability: truncation, then clamp to the last bin."""
+    """SGLang's bin of each (clamped) probability: truncate, then clamp to the last bin."""
     return np.clip((np.asarray(pred, dtype=np.float64) * n_bins).astype(np.int64), 0, n_bins - 1)
 
 
@@ -230,7 +230,7 @@ class WideLabels:
 def wide_labels(
     req_steps: FrameLike, runs: FrameLike | Mapping[str, str] | None = None, mode: str | None = None
 ) -> WideLabels:
-    """Build the censoring-aware label matrices; rows without verify_len / correct_drafts are dropped."""
+    """Censoring-aware label matrices; rows lacking verify_len / correct_drafts are dropped."""
     df = as_frame(req_steps)
     vl = column(df, "verify_len", np.nan)
     cd = column(df, "correct_drafts", np.nan)
@@ -282,7 +282,8 @@ def position_labels(
     Columns: run_id, dp_rank, rid, forward_ct, workload, position, pred (S_j), conf (c_j),
     label (float prefix label, NaN when unobserved), observed, at_risk (observed and drafts
     1..j-1 accepted: the denominator of conditional acceptance), verified (drafts verified,
-    verify_len - 1), gamma. ``runs`` (table or {run_id: mode}) or ``mode`` tells compact from cap-accept.
+    verify_len - 1), gamma. ``runs`` (table or {run_id: mode}) or ``mode`` tells compact
+    from cap-accept.
     """
     wl = wide_labels(req_steps, runs, mode)
     df = wl.frame

@@ -11,8 +11,10 @@ line and restated here as the contract this module reproduces:
   w+1..gamma) and ``q_lp`` = the drafter's log-prob of each of them (log-softmax of the
   drafter's corrected logits at the draft temperature).
 * Offsets k are 1-based draft positions of the block: the pending block starts at
-  k = w+1, and trimmed_tokens[k - w - 1] is the draft at k. The draft at k sits at absolute
-  position anchor_pos + k, anchor_pos = prefix_len - 1 of the opening step.
+  k = w+1, and trimmed_tokens[k - w - 1] is the draft at k. (schema.PG_TYPE's comment calls
+  k a 0-based offset inside the trimmed drafts; SGLang's is not, and this module follows
+  SGLang.) The draft at k sits at absolute position anchor_pos + k, anchor_pos =
+  prefix_len - 1 of the opening step (SGLang's prefix_lens count the anchor).
 * Resolution: at every later step of the request (and at the opening step itself: its own
   bonus token lands on offset w+1) each pending block, oldest first, walks k upward while
   the target position is among the tokens committed this step: row = anchor_pos + k -
@@ -289,7 +291,7 @@ def _tail_rates(
     runs: Any,
     mode: str | None,
 ) -> tuple[np.ndarray | None, dict[str, np.ndarray], np.ndarray]:
-    """Conditional acceptance per position for the tail fill: per row (confidence) or per workload."""
+    """Conditional acceptance for the tail fill: per row (confidence) or per workload."""
     labels = position_labels(df, runs=runs, mode=mode)
     pooled = np.full(width + 1, np.nan)
     per_wl: dict[str, np.ndarray] = {}
@@ -395,7 +397,16 @@ def estimate_blocks(
 
     out = {
         c: np.full(n, np.nan)
-        for c in ("p_last", "lo", "hi", "tail_fill", "point", "greedy_lo", "greedy_hi", "greedy_ceiling")
+        for c in (
+            "p_last",
+            "lo",
+            "hi",
+            "tail_fill",
+            "point",
+            "greedy_lo",
+            "greedy_hi",
+            "greedy_ceiling",
+        )
     }
     category = np.empty(n, dtype=object)
     n_res = np.zeros(n, dtype=np.int64)
@@ -432,13 +443,21 @@ def estimate_blocks(
         prod, extra, k_last, matched, diverged = 1.0, 0.0, w, 0, False
         for k, lp, dtok, rtok in ents:
             if k != k_last + 1:
+                hint = (
+                    " (k looks 0-based within trimmed_tokens; SGLang's k is the 1-based draft"
+                    " position w+1..gamma)"
+                    if k_last == w and k == 0
+                    else ""
+                )
                 problems.append(
-                    f"rid={rid[i]} block fct={fct[i]}: pg offset {k} after {k_last} (expected {k_last + 1}); rest ignored"
+                    f"rid={rid[i]} block fct={fct[i]}: pg offset {k} after {k_last} "
+                    f"(expected {k_last + 1}); rest ignored{hint}"
                 )
                 break
             if trimmed is not None and dtok != trimmed[k - w - 1]:
                 problems.append(
-                    f"rid={rid[i]} block fct={fct[i]}: pg draft_token {dtok} at k={k} != trimmed token {trimmed[k - w - 1]}"
+                    f"rid={rid[i]} block fct={fct[i]}: pg draft_token {dtok} at k={k} "
+                    f"!= trimmed token {trimmed[k - w - 1]}"
                 )
             a = min(1.0, math.exp(lp - float(q[k - w - 1])))
             prod *= a
@@ -677,11 +696,17 @@ def _check_record(obj: dict[str, Any]) -> str | None:
         if not isinstance(q, list) or not all(_is_num(x) for x in q):
             return "'q_lp' must be a list of numbers"
         if len(t) != len(q) or not t:
-            return f"'trimmed_tokens' ({len(t)}) and 'q_lp' ({len(q)}) must have one equal, non-zero length"
+            return (
+                f"'trimmed_tokens' ({len(t)}) and 'q_lp' ({len(q)}) "
+                "must have one equal, non-zero length"
+            )
         if any(math.isnan(x) or x == math.inf for x in q):
             return "'q_lp' values must be log-probabilities (not NaN or +inf)"
         if obj["cl"] != obj["w"]:
-            return f"'trimmed_tokens' present but the window was not fully accepted (cl={obj['cl']} < w={obj['w']})"
+            return (
+                "'trimmed_tokens' present but the window was not fully accepted "
+                f"(cl={obj['cl']} < w={obj['w']})"
+            )
     if "pg" in obj:
         pg = obj["pg"]
         if not isinstance(pg, list):
@@ -697,7 +722,10 @@ def _check_record(obj: dict[str, Any]) -> str | None:
                 and _is_int(e[4])
             )
             if not ok:
-                return f"pg[{j}] must be [src_fct, k, target_logprob, draft_token, realized_token], got {e!r}"
+                return (
+                    f"pg[{j}] must be [src_fct, k, target_logprob, draft_token, realized_token], "
+                    f"got {e!r}"
+                )
             if math.isnan(e[2]) or e[2] == math.inf:
                 return f"pg[{j}] target_logprob must be a log-probability, got {e[2]!r}"
     return None
@@ -764,7 +792,7 @@ def parse_estimator_lines(
     if gamma is None:
         if implied:
             values, counts = np.unique(implied, return_counts=True)
-            gamma = int(values[np.argmax(counts)])
+            gamma = int(values[counts == counts.max()].max())  # most common; ties: larger
         else:
             gamma = max((o["w"] for _, o in records), default=0)
     kept: list[tuple[int, dict[str, Any]]] = []
@@ -780,7 +808,8 @@ def parse_estimator_lines(
             errors.append(
                 JsonlError(
                     lineno,
-                    f"{len(o['trimmed_tokens'])} trimmed tokens, expected gamma - w = {gamma - o['w']}",
+                    f"{len(o['trimmed_tokens'])} trimmed tokens, "
+                    f"expected gamma - w = {gamma - o['w']}",
                     short,
                 )
             )

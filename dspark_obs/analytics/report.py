@@ -143,9 +143,10 @@ class Report:
             parts.append("")
         parts += ["## Per workload", "", markdown_table(self.workloads.rename(columns=HEADERS)), ""]
         parts += [
-            "window = mean verify_len (anchor included); ceiling = acc_len + cap_trim from the cap-accept "
-            "companion; est = block-accept estimate from the compact run alone (SGLang bracket [lo, hi], "
-            "point and its bootstrap interval over requests); ECE: SGLang's 15-bin definition pooled over "
+            "window = mean verify_len (anchor included); ceiling = acc_len + cap_trim from the "
+            "cap-accept companion; est = block-accept estimate from the compact run alone (SGLang "
+            "bracket [lo, hi], point and its bootstrap interval over requests); ECE: SGLang's "
+            "15-bin definition pooled over "
             "observed positions, STS on held-out requests unless a calibration was given.",
             "",
         ]
@@ -165,7 +166,8 @@ class Report:
             for run, info in self.sts.items():
                 temps = ", ".join(f"{t:.3g}" for t in info.get("temperatures", []))
                 parts.append(
-                    f"- {run}: temperatures [{temps}]; ECE {format_cell(info.get('ece_before'))} -> "
+                    f"- {run}: temperatures [{temps}]; "
+                    f"ECE {format_cell(info.get('ece_before'))} -> "
                     f"{format_cell(info.get('ece_after'))} ({info.get('evaluation', '')})"
                 )
             parts.append("")
@@ -294,9 +296,10 @@ def build_report(
     judge (else STS is fitted per run on a request split and judged on the held-out part).
     """
     rs, rq, rn = as_frame(req_steps), as_frame(requests), as_frame(runs)
-    for f in (rs, rq):
-        if len(f) and "run_id" not in f.columns:
-            f["run_id"] = ""
+    if len(rs) and "run_id" not in rs.columns:
+        rs = rs.assign(run_id="")
+    if len(rq) and "run_id" not in rq.columns:
+        rq = rq.assign(run_id="")
     if companion_req_steps is None:
         rs, rq, crs, crq = _split_companions(rs, rq, rn)
     else:
@@ -390,7 +393,9 @@ def build_report(
                 sts_info[run] = {
                     "temperatures": ho.calibration.temperatures,
                     "calibration": ho.calibration.to_dict(),
-                    "evaluation": f"fit on {ho.fit_requests} requests, held-out {ho.heldout_requests}",
+                    "evaluation": (
+                        f"fit on {ho.fit_requests} requests, held-out {ho.heldout_requests}"
+                    ),
                     "ece_before": ho.pooled_before,
                     "ece_after": ho.pooled_after,
                     "ece_before_per_position": ho.ece_before,

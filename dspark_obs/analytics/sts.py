@@ -332,7 +332,8 @@ def load_sts_shards(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[s
         pm = np.asarray(shard["prefix_mask"].detach().cpu().to(torch.float64).numpy())
         if lg.ndim != 2 or lg.shape != pm.shape:
             raise StsFileError(
-                f"{f}: logits {tuple(lg.shape)} / prefix_mask {tuple(pm.shape)} must be equal [n, gamma]"
+                f"{f}: logits {tuple(lg.shape)} / prefix_mask {tuple(pm.shape)} "
+                "must be equal [n, gamma]"
             )
         if gamma is None:
             gamma = lg.shape[1]
@@ -365,7 +366,7 @@ def save_sts_shard(
 def sts_data_from_req_steps(
     req_steps: FrameLike, runs: FrameLike | Mapping[str, str] | None = None, mode: str | None = None
 ) -> StsData:
-    """Logits from stored confidences (z = logit(c), c rounded to 4 decimals) + censoring-aware labels.
+    """Logits from stored confidences (z = logit(c), c rounded to 4 decimals), censored labels.
 
     If the run served with an STS file, stored confidences are already calibrated and the
     temperatures fitted here compose with the served ones (T_new * T_served). Rows lacking a

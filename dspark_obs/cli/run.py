@@ -152,5 +152,51 @@ def run_command(
     typer.echo(rid)
 
 
+def profile_command(
+    out: Annotated[Path, typer.Option(help="Where to write the additive cost table JSON.")] = Path(
+        "runtime/cost_tables/smollm2_cpu.json"
+    ),
+    batch_sizes: Annotated[str, typer.Option(help="Comma list of batch sizes.")] = "1,2,4,8,16",
+    gamma: Annotated[int, typer.Option(help="Draft block size.")] = 5,
+    drafter: Annotated[
+        Path | None,
+        typer.Option(
+            help="Drafter checkpoint (default: runtime/drafter; a random one of the same shape "
+            "if none exists: timing does not depend on weights)."
+        ),
+    ] = None,
+    device: Annotated[str, typer.Option(help="cpu | cuda.")] = "cpu",
+) -> None:
+    """Measure compact step time at pinned budgets and fit SGLang's additive cost table."""
+    from rich.console import Console
+
+    from dspark_obs.engine.drafter import Drafter, DrafterConfig
+    from dspark_obs.engine.profile import fit_table, profile_steps
+    from dspark_obs.engine.session import DEFAULT_DRAFTER
+    from dspark_obs.engine.weights import encode_chat, load_smollm2
+    from dspark_obs.workloads import load_prompts
+
+    console = Console(stderr=True)
+    target, tok = load_smollm2(device=device)
+    path = drafter or DEFAULT_DRAFTER
+    if (path / "config.json").is_file():
+        model = Drafter.load(path, target)
+    else:
+        console.print(f"no drafter at {path}: timing with a random drafter of the default shape")
+        model = Drafter(DrafterConfig.for_target(target), target)
+    model = model.to(device).eval()
+    prompts = [encode_chat(tok, p.messages) for p in load_prompts("chat", "train", 16, seed=1)]
+    sizes = [int(x) for x in batch_sizes.split(",")]
+    samples = profile_steps(
+        target, model, prompts, gamma=gamma, batch_sizes=sizes, progress=console.print
+    )
+    table = fit_table(samples)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    table.save(out)
+    console.print(f"{len(samples)} steps; bias {table.bias_seconds * 1000:.1f} ms")
+    typer.echo(str(out))
+
+
 def register(app: typer.Typer) -> None:
     app.command("run")(run_command)
+    app.command("profile")(profile_command)

@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import overload
 
 import numpy as np
 import torch
@@ -249,10 +249,17 @@ def accept(
     )
 
 
-T = TypeVar("T", np.ndarray, torch.Tensor)
-
-
-def process_logits(logits: T, temperature: float, top_p: float = 1.0, top_k: int = -1) -> T:
+@overload
+def process_logits(
+    logits: np.ndarray, temperature: float, top_p: float = ..., top_k: int = ...
+) -> np.ndarray: ...
+@overload
+def process_logits(
+    logits: torch.Tensor, temperature: float, top_p: float = ..., top_k: int = ...
+) -> torch.Tensor: ...
+def process_logits(
+    logits: np.ndarray | torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = -1
+) -> np.ndarray | torch.Tensor:
     """Sampling distribution(s) over the last axis, as SGLang's sampler builds them.
 
     Order: temperature, then top-k on the scaled logits (ties kept by lower token id), softmax,
@@ -266,8 +273,13 @@ def process_logits(logits: T, temperature: float, top_p: float = 1.0, top_k: int
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k != -1 and top_k < 1:
         raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {top_k}")
-    is_np = isinstance(logits, np.ndarray)
-    x = torch.from_numpy(np.asarray(logits)) if is_np else logits
+    if isinstance(logits, np.ndarray):
+        x = torch.from_numpy(np.ascontiguousarray(logits))
+        return _process(x, temperature, top_p, top_k).numpy()
+    return _process(logits, temperature, top_p, top_k)
+
+
+def _process(x: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
     x = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
     vocab = x.shape[-1]
     if temperature < SAMPLING_EPS:
@@ -286,4 +298,4 @@ def process_logits(logits: T, temperature: float, top_p: float = 1.0, top_k: int
             sorted_p = sorted_p.masked_fill(before > top_p, 0.0)
             sorted_p = sorted_p / sorted_p.sum(dim=-1, keepdim=True)
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    return probs.numpy() if is_np else probs
+    return probs

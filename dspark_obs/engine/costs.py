@@ -119,7 +119,8 @@ class CostTable(ABC):
     @classmethod
     def _parse(cls, data: Mapping[str, Any], source: str) -> CostTable:
         extra = {k: v for k, v in data.items() if k not in cls.KEYS}
-        return cls(**cls._fields(data, source), extra=extra)
+        # the concrete dataclasses take their fields plus ``extra`` as keywords
+        return cls(**cls._fields(data, source), extra=extra)  # type: ignore[call-arg]
 
     def __post_init__(self) -> None:
         # Direct construction gets the parser's checks; lists are normalized to tuples.

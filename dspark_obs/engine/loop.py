@@ -43,8 +43,9 @@ from dspark_obs.engine.model import KVCache, Target
 from dspark_obs.engine.scheduler import Scheduler
 from dspark_obs.schema import MODES
 
-GREEDY_MISMATCH_LOGPROB = -1.0e4
-"""Log-prob recorded for a draft token that a greedy target would never emit (log 0)."""
+ESTIMATOR_MIN_TEMPERATURE = 1e-5
+"""Log-probs for the estimator use ``max(T, 1e-5)`` (SGLang's floor), so greedy rows give
+~0 for the argmax and a huge negative value for anything else."""
 
 
 class EngineError(ValueError):
@@ -95,9 +96,10 @@ class _Censored:
     """A compact block whose trimmed drafts await resolution by later target rows."""
 
     src_fct: int
-    start_pos: int  # absolute position of trimmed offset k = 0
+    start_pos: int  # absolute position of the first trimmed draft
+    first_k: int  # its 1-based draft position in the block (SGLang's k): verify_len
     tokens: list[int]
-    next_k: int = 0
+    next_k: int = 0  # offset of the next unresolved trimmed draft
 
 
 @dataclass
@@ -368,7 +370,6 @@ class Engine:
                 res = accept(
                     logits, drafts, greedy=True, window=w if cfg.mode == "cap-accept" else None
                 )
-                logp = None
             else:
                 probs = process_logits(logits.double(), req.temperature, req.top_p, req.top_k)
                 res = accept(
@@ -379,12 +380,16 @@ class Engine:
                     window=w if cfg.mode == "cap-accept" else None,
                     block_size=gamma,
                 )
-                logp = torch.log(probs.clamp_min(1e-300))
             if cfg.mode == "static":
                 w = n
-            committed = list(res.tokens)
-            # The target rows that produced committed positions (row r -> position A+1+r).
-            pg = self._resolve(live, logits, logp, committed, lengths_before[i])
+            full = list(res.tokens)  # uncut by EOS / length: what the estimator resolves against
+            censors = cfg.mode == "compact" and res.correct_drafts == w - 1 and w - 1 < gamma
+            logp = None
+            if live.censored or censors:
+                t = max(req.temperature, ESTIMATOR_MIN_TEMPERATURE)
+                logp = torch.log_softmax(logits.double() / t, dim=-1)
+            pg = self._resolve(live, logp, full, lengths_before[i])
+            committed = full
             remaining = req.max_new_tokens - len(live.output)
             cut, reason = len(committed), None
             for j, tok in enumerate(committed):
@@ -404,7 +409,7 @@ class Engine:
                 "rid": req.rid,
                 "gamma": gamma,
                 "req_pool_index": i,
-                "prefix_len": lengths_before[i],
+                "prefix_len": lengths_before[i] + 1,  # tokens known, anchor included
                 "verify_len": w,
                 "acc_len": len(committed),
                 "correct_drafts": res.correct_drafts,
@@ -425,18 +430,14 @@ class Engine:
             }
             if cfg.mode == "static":
                 row["correct_drafts"] = res.correct_drafts
-            if (
-                cfg.mode == "compact"
-                and not is_last
-                and res.correct_drafts == w - 1
-                and w - 1 < gamma
-            ):
+            if censors:
                 trimmed = draft_tokens[i, w - 1 :].tolist()
                 row["trimmed_tokens"] = trimmed
-                row["q_lp"] = draft_lp[i, w - 1 :].tolist()
-                blk = _Censored(fct, lengths_before[i] + w, trimmed)
-                # Offset 0 is decided by this very step's last row (the bonus position).
-                extra = self._resolve_block(blk, live, logits, logp, committed, lengths_before[i])
+                # Greedy drafts are the drafter's argmax: log q at T -> 0 is 0.
+                row["q_lp"] = [0.0] * len(trimmed) if live.greedy else draft_lp[i, w - 1 :].tolist()
+                blk = _Censored(fct, lengths_before[i] + w, w, trimmed)
+                # The first trimmed draft sits where this step's bonus landed: resolve it now.
+                extra = self._resolve_block(blk, logp, full, lengths_before[i])
                 if extra:
                     row["pg"] = (row["pg"] or []) + extra
                 if blk.next_k < len(blk.tokens):
@@ -489,18 +490,13 @@ class Engine:
         return self.target.device.type == "cuda"
 
     def _resolve(
-        self,
-        live: _Live,
-        logits: torch.Tensor,
-        logp: torch.Tensor | None,
-        committed: list[int],
-        prefix_len: int,
+        self, live: _Live, logp: torch.Tensor | None, tokens: list[int], prefix_len: int
     ) -> list[dict[str, Any]]:
-        """Resolve earlier censored blocks against this step's target rows."""
+        """Resolve earlier censored blocks (oldest first) against this step's target rows."""
         entries: list[dict[str, Any]] = []
         still: list[_Censored] = []
         for blk in live.censored:
-            entries.extend(self._resolve_block(blk, live, logits, logp, committed, prefix_len))
+            entries.extend(self._resolve_block(blk, logp, tokens, prefix_len))
             if blk.next_k < len(blk.tokens):
                 still.append(blk)
         live.censored = still
@@ -508,35 +504,26 @@ class Engine:
 
     @staticmethod
     def _resolve_block(
-        blk: _Censored,
-        live: _Live,
-        logits: torch.Tensor,
-        logp: torch.Tensor | None,
-        committed: list[int],
-        prefix_len: int,
+        blk: _Censored, logp: torch.Tensor | None, tokens: list[int], prefix_len: int
     ) -> list[dict[str, Any]]:
-        """Walk the block's offsets over committed positions prefix_len+1..; stop at a miss.
+        """Walk the block's trimmed drafts over this step's rows; stop after the first miss.
 
         Row ``r`` of this step's target output predicts absolute position ``prefix_len+1+r``
-        (``prefix_len`` is the anchor's position), whose realized token is ``committed[r]``.
+        (``prefix_len`` is the anchor's position), whose realized token is ``tokens[r]``
+        (accepted drafts then the bonus, before any EOS / length cut).
         """
         entries = []
-        while blk.next_k < len(blk.tokens):
-            pos = blk.start_pos + blk.next_k
-            r = pos - (prefix_len + 1)
-            if r < 0 or r >= len(committed):
+        while blk.next_k < len(blk.tokens) and logp is not None:
+            r = blk.start_pos + blk.next_k - (prefix_len + 1)
+            if r < 0 or r >= len(tokens):
                 break
             draft = blk.tokens[blk.next_k]
-            if logp is None:  # greedy: log of the one-hot target distribution
-                lp = 0.0 if int(torch.argmax(logits[r])) == draft else GREEDY_MISMATCH_LOGPROB
-            else:
-                lp = float(logp[r, draft])
-            realized = committed[r]
+            realized = tokens[r]
             entries.append(
                 {
                     "src_fct": blk.src_fct,
-                    "k": blk.next_k,
-                    "target_logprob": lp,
+                    "k": blk.first_k + blk.next_k,
+                    "target_logprob": float(logp[r, draft]),
                     "draft_token": draft,
                     "realized_token": realized,
                 }

@@ -18,6 +18,7 @@ interleaved); :mod:`dspark_obs.engine.weights` converts llama.cpp's GGUF layout 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
@@ -88,7 +89,7 @@ class ModelConfig:
 
     @classmethod
     def tiny(cls, **overrides: object) -> ModelConfig:
-        """A few-thousand-parameter model of the same architecture, for fast unit tests."""
+        """A ~80k-parameter model of the same architecture, for fast unit tests."""
         base = cls(
             vocab_size=128,
             hidden_size=64,
@@ -128,8 +129,10 @@ class KVCache:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        if max_len <= 0:
-            raise ValueError(f"max_len must be positive, got {max_len}")
+        if not 0 < max_len <= cfg.max_position:
+            raise ValueError(
+                f"max_len must be in 1..{cfg.max_position} (the model's context), got {max_len}"
+            )
         self.cfg = cfg
         self.max_len = max_len
         self.kv = torch.zeros(
@@ -231,6 +234,28 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
+@dataclass
+class Span:
+    """Where one request sits in the packed sequence, and its attention mask (built once
+    per forward, shared by all layers)."""
+
+    cache: KVCache
+    start: int  # first row of this request in the packed [sum n_i, d] sequence
+    n: int  # new tokens
+    past: int  # cache.length before this forward
+    mask: Tensor | None  # [group * n, past + n] bool, None when n == 1 (sees everything)
+
+    @classmethod
+    def build(cls, cache: KVCache, start: int, n: int, group: int) -> Span:
+        past = cache.length
+        mask = None
+        if n > 1:  # causal within the new tokens, everything cached before them is visible
+            dev = cache.device
+            qpos = past + torch.arange(n, device=dev).repeat(group)
+            mask = torch.arange(past + n, device=dev)[None, :] <= qpos[:, None]
+        return cls(cache, start, n, past, mask)
+
+
 class Attention(nn.Module):
     """Grouped-query attention; projections run packed, the softmax runs per request."""
 
@@ -241,15 +266,7 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(cfg.hidden_size, cfg.hidden_size + 2 * cfg.kv_dim, bias=False)
         self.wo = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
 
-    def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        layer: int,
-        caches: Sequence[KVCache],
-        lengths: Sequence[int],
-    ) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, spans: list[Span]) -> Tensor:
         cfg = self.cfg
         hd, n_kv = cfg.head_dim, cfg.num_kv_heads
         group = cfg.num_heads // n_kv
@@ -259,28 +276,22 @@ class Attention(nn.Module):
         v = v.view(-1, n_kv, hd)
 
         outs = []
-        start = 0
-        for cache, n in zip(caches, lengths, strict=True):
-            end = start + n
-            past = cache.length
-            total = past + n
-            # Append this request's new K/V, then attend over [0, past + n).
-            cache.kv[layer, 0, :, past:total] = k[start:end].transpose(0, 1)
-            cache.kv[layer, 1, :, past:total] = v[start:end].transpose(0, 1)
-            keys = cache.kv[layer, 0, :, :total]  # [kv_heads, total, hd]
-            values = cache.kv[layer, 1, :, :total]
+        for sp in spans:
+            start, end, total = sp.start, sp.start + sp.n, sp.past + sp.n
+            # Append this request's new K/V, then attend over its positions [0, past + n).
+            kv = sp.cache.kv[layer]  # [2, kv_heads, max_len, hd]
+            kv[0, :, sp.past : total] = k[start:end].transpose(0, 1)
+            kv[1, :, sp.past : total] = v[start:end].transpose(0, 1)
             # Query heads kv*group .. kv*group+group-1 share kv head `kv`: fold the group
             # into the query-length axis so no K/V copy is needed: [kv_heads, group*n, hd].
-            qr = q[start:end].view(n, n_kv, group, hd).permute(1, 2, 0, 3).reshape(n_kv, -1, hd)
-            if n == 1:
-                mask = None  # a single new token sees every cached position
-            else:
-                qpos = past + torch.arange(n, device=x.device).repeat(group)
-                mask = torch.arange(total, device=x.device)[None, :] <= qpos[:, None]
-            o = F.scaled_dot_product_attention(qr, keys, values, attn_mask=mask)
+            qr = q[start:end].view(sp.n, n_kv, group, hd).permute(1, 2, 0, 3)
+            qr = qr.reshape(1, n_kv, group * sp.n, hd)
+            # 4-D inputs select the fused kernels (CPU flash, CUDA mem-efficient).
+            o = F.scaled_dot_product_attention(
+                qr, kv[0, None, :, :total], kv[1, None, :, :total], attn_mask=sp.mask
+            )
             # back to [n, heads * hd] with heads ordered kv*group + g
-            outs.append(o.view(n_kv, group, n, hd).permute(2, 0, 1, 3).reshape(n, -1))
-            start = end
+            outs.append(o.view(n_kv, group, sp.n, hd).permute(2, 0, 1, 3).reshape(sp.n, -1))
         return self.wo(torch.cat(outs) if len(outs) > 1 else outs[0])
 
 
@@ -307,16 +318,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        layer: int,
-        caches: Sequence[KVCache],
-        lengths: Sequence[int],
-    ) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, layer, caches, lengths)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, spans: list[Span]) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, layer, spans)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -434,10 +437,16 @@ class Target(nn.Module):
         )
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
 
+        group = cfg.num_heads // cfg.num_kv_heads
+        starts = [0, *itertools.accumulate(lengths)][:-1]
+        spans = [
+            Span.build(c, s, n, group) for c, s, n in zip(caches, starts, lengths, strict=True)
+        ]
+
         captured: dict[int, Tensor] = {}
         wanted = set(layers)
         for idx, block in enumerate(self.layers):
-            x = block(x, cos, sin, idx, caches, lengths)
+            x = block(x, cos, sin, idx, spans)
             if idx in wanted:
                 captured[idx] = x
         for cache, n in zip(caches, lengths, strict=True):

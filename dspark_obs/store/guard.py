@@ -9,6 +9,7 @@ COPY, EXPORT, ATTACH, SET, CALL, LOAD, writing PRAGMAs ...) is refused by name.
 from __future__ import annotations
 
 import re
+import threading
 
 import duckdb
 
@@ -40,13 +41,17 @@ class QueryRefused(StoreError):
     """A query was refused because it would write (or change state)."""
 
 
+_parser: duckdb.DuckDBPyConnection | None = None
+_parser_lock = threading.Lock()
+
+
 def check_read_only(sql: str) -> None:
     """Raise QueryRefused naming the first statement kind that is not a pure read."""
-    parser = duckdb.connect()
-    try:
-        _check(parser, sql, depth=0)
-    finally:
-        parser.close()
+    global _parser
+    with _parser_lock:  # one parser connection per process: opening DuckDB costs ~10 ms
+        if _parser is None:
+            _parser = duckdb.connect()
+        _check(_parser, sql, depth=0)
 
 
 def _check(parser: duckdb.DuckDBPyConnection, sql: str, depth: int) -> None:

@@ -132,7 +132,7 @@ def write_parquet_atomic(
 
     Temp file (ignored by readers) -> fsync -> rename -> fsync of the directory.
     """
-    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+    tmp = tmp_path_for(dest)
     if metadata:
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
     stats = [c for c in STATS_COLUMNS if c in table.column_names]
@@ -175,7 +175,7 @@ def _encodings(schema: pa.Schema) -> tuple[list[str], list[str]]:
 
 def write_text_atomic(dest: Path, text: str) -> None:
     """Replace a small text file atomically (readers see the old or the new content)."""
-    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+    tmp = tmp_path_for(dest)
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
@@ -188,15 +188,45 @@ def write_text_atomic(dest: Path, text: str) -> None:
     fsync_dir(dest.parent)
 
 
-def remove_stale_tmp(part_dir: Path) -> int:
-    """Delete temp files a crashed writer left behind (call only while holding the lock)."""
+def tmp_path_for(dest: Path) -> Path:
+    """``.<name>.<pid>-<random>.tmp`` beside ``dest``: hidden from readers' globs, and the
+    pid tells a later process whether the file's writer is gone."""
+    return dest.with_name(f".{dest.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+
+
+def remove_stale_tmp(directory: Path, *, only_dead: bool = False) -> int:
+    """Delete temp files crashed writers left behind in ``directory``.
+
+    Under a partition's lock every temp file there is stale; elsewhere (the store root) pass
+    ``only_dead`` to keep those of writers that are still alive.
+    """
     n = 0
     try:
-        names = os.listdir(part_dir)
+        names = os.listdir(directory)
     except FileNotFoundError:
         return 0
     for name in names:
-        if name.startswith(".") and name.endswith(TMP_SUFFIX):
-            (part_dir / name).unlink(missing_ok=True)
-            n += 1
+        if not (name.startswith(".") and name.endswith(TMP_SUFFIX)):
+            continue
+        if only_dead and _writer_alive(name):
+            continue
+        (directory / name).unlink(missing_ok=True)
+        n += 1
     return n
+
+
+def _writer_alive(tmp_name: str) -> bool:
+    stamp = tmp_name[: -len(TMP_SUFFIX)].rsplit(".", 1)[-1]
+    try:
+        pid = int(stamp.split("-", 1)[0])
+    except ValueError:
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
