@@ -86,6 +86,8 @@ def fit_sts_command(
     seed: Annotated[int, typer.Option(help="Held-out split seed.")] = 0,
 ) -> None:
     """Fit sequential temperature scaling (SGLang's fitter) and write its STS JSON."""
+    import pyarrow.compute as pc
+
     from dspark_obs.analytics import (
         fit_sts,
         fit_sts_heldout,
