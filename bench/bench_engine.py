@@ -93,7 +93,8 @@ def main() -> None:
             flush=True,
         )
     print(
-        "\n| batch | no-spec tok/s | static tok/s | static / no-spec | compact tok/s | compact / no-spec |"
+        "\n| batch | no-spec tok/s | static tok/s | static / no-spec "
+        "| compact tok/s | compact / no-spec |"
     )
     print("|---|---|---|---|---|---|")
     for bs, med, rat in rows:

@@ -499,4 +499,115 @@ def test_segments_are_parquet_with_the_table_schema(tmp_path: Path) -> None:
     assert t.schema.equals(schema.REQ_STEPS, check_metadata=False)
     want = src.req_steps_batch(RUN, 0).column("forward_ct").to_numpy()
     assert np.array_equal(t.column("forward_ct").to_numpy(), want)
-    assert os.path.exists(root / "req_steps" / "run_id=run-a" / ".lock")
+    assert os.path.exists(root / "req_steps" / ".locks" / "run_id=run-a.lock")
+    assert os.path.islink(root / "req_steps" / "run_id=run-a")
+
+
+# --------------------------------------------------------------------------- compaction
+
+
+def _table_snapshot(store: Store) -> dict[str, pa.Table]:
+    return {
+        t: store.query(f"SELECT * FROM {t} ORDER BY {', '.join(k)}")
+        for t, k in schema.KEYS.items()
+    }
+
+
+def _generations(root: Path, table: str) -> list[str]:
+    return sorted(os.listdir(root / table / ".gen"))
+
+
+def test_compact_merges_segments_and_keeps_every_row(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    ingest(root, RUN, 10)
+    ingest(root, "run-b", 3)
+    before = _table_snapshot(Store(root))
+    with Store(root) as store:
+        done = {(c.table, c.run_id): c for c in store.compact()}
+        assert done[("req_steps", RUN)].segments_before == 10
+        assert done[("req_steps", RUN)].rows == 10 * BATCH_ROWS["req_steps"]
+        assert done[("runs", RUN)].segments_before == 1  # nothing to merge
+        # Still the writer of these runs: re-ingest is deduplicated against the merged
+        # segment (row-group statistics), and new batches land in the new generation.
+        for table, _, batch in source(RUN, 12):
+            store.write(table, batch)
+    after = Store(root)
+    assert after.info()["tables"]["req_steps"]["segments"] == 1 + 2 + 1  # run-a: 1+2, run-b: 1
+    ref = tmp_path / "ref"  # the same facts ingested without any compaction
+    ingest(ref, RUN, 12)
+    ingest(ref, "run-b", 3)
+    assert _table_snapshot(after) == _table_snapshot(Store(ref))
+    assert before["req_steps"].num_rows == 13 * BATCH_ROWS["req_steps"]
+    # Only the published generation of each run is left.
+    assert len(_generations(root, "req_steps")) == 2  # run-a, run-b
+
+
+def test_store_query_stays_consistent_while_the_writer_compacts(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    n = 30
+    proc = spawn_writer(root, RUN, n, "--compact-every", "3")
+    reader = Store(root)
+    per_batch = BATCH_ROWS["req_steps"]
+    last = 0
+    while True:
+        done = proc.poll() is not None
+        t = reader.query(
+            "SELECT count(*) AS n, count(DISTINCT (forward_ct, rid)) AS k FROM req_steps"
+        ).to_pylist()[0]
+        assert t["n"] % per_batch == 0 and t["n"] == t["k"] and t["n"] >= last
+        last = t["n"]
+        if done:
+            break
+    assert proc.wait(30) == 0
+    assert_exact(reader, n)
+    assert reader.info()["tables"]["req_steps"]["segments"] <= 3, "the writer compacted"
+
+
+def test_compact_refuses_a_run_another_process_writes(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    ingest(root, RUN, 3)
+    writer = Store(root)
+    writer.write("steps", src.steps_batch(RUN, 3))
+    other = Store(root)
+    results = {(c.table, c.run_id): c for c in other.compact()}
+    assert "another writer" in (results[("steps", RUN)].skipped or "")
+    assert results[("req_steps", RUN)].segments_before == 3
+    with pytest.raises(StoreError, match="another writer"):
+        other.compact("steps", RUN)
+    writer.close()
+    other.close()
+
+
+COMPACT_CRASHES = [
+    "replace:1:before",
+    "replace:1:after",
+    "replace:2:before",
+    "replace:2:after",
+    "replace:4:after",
+    "fsync:2:after",
+    "fsync:5:before",
+]
+
+
+@pytest.mark.parametrize("point", COMPACT_CRASHES)
+def test_kill_9_during_compaction(
+    tmp_path: Path, point: str, fork_writer: Callable[[list[str], Path], int]
+) -> None:
+    root = tmp_path / "store"
+    ingest(root, RUN, 6)
+    before = _table_snapshot(Store(root))
+    acks = tmp_path / "acks.txt"
+    pid = fork_writer([str(root), RUN, "0", "--compact-only", "--crash", point], acks)
+    _wait(lambda: not _alive(pid))
+    assert "DONE" not in acks.read_text(), "the compaction should have been killed"
+    after = _table_snapshot(Store(root))
+    for table in before:
+        assert after[table].equals(before[table]), f"{table} changed by a crashed compaction"
+    # Restart: compaction completes, nothing lost or doubled, and the leftovers go.
+    with Store(root) as store:
+        store.compact()
+    assert _table_snapshot(Store(root)) == before
+    for table in ("steps", "req_steps", "requests"):
+        assert len(_generations(root, table)) == 1, _generations(root, table)
+    assert not list(root.rglob("*.tmp"))
+    assert_exact(Store(root), 6)

@@ -134,18 +134,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("n_batches", type=int)
     ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--crash", default=None)
+    ap.add_argument("--compact-every", type=int, default=0, help="compact after every N batches")
+    ap.add_argument("--compact-only", action="store_true", help="compact the store, no writes")
     args = ap.parse_args(argv)
-    batches = list(source(args.run_id, args.n_batches))
+    batches = [] if args.compact_only else list(source(args.run_id, args.n_batches))
     if args.crash:
         _arm_crash(args.crash)
     out = sys.stdout
     with Store(args.root) as store:
         out.write("READY\n")
         out.flush()
+        if args.compact_only:
+            store.compact()
         for table, k, batch in batches:
             store.write(table, batch)
             out.write(f"ACK {table} {k}\n")
             out.flush()
+            if args.compact_every and table == "req_steps" and k % args.compact_every == 0:
+                store.compact()
             if args.sleep:
                 time.sleep(args.sleep)
     out.write("DONE\n")

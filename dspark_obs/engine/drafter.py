@@ -417,7 +417,8 @@ class Drafter(nn.Module):
         ctx_pos = torch.arange(t_len, device=dev).expand(b, t_len)
         offs = torch.arange(gamma, device=dev)
         blk_pos = (anchors.unsqueeze(-1) + offs).reshape(b, nb * gamma)  # [B, Q]
-        x = self._block_input(anchors.reshape(-1), gamma).view(b, nb * gamma, -1)
+        anchor_tok = tokens.gather(1, anchors)  # the anchor TOKEN at each anchor position
+        x = self._block_input(anchor_tok.reshape(-1), gamma).view(b, nb * gamma, -1)
         # mask: context t visible iff a - W <= t < a; block keys iff same block
         a_q = anchors.repeat_interleave(gamma, 1)  # [B, Q]
         t_idx = torch.arange(t_len, device=dev)

@@ -8,6 +8,6 @@
 
 from dspark_obs.store.guard import QueryRefused
 from dspark_obs.store.layout import StoreError
-from dspark_obs.store.store import Ack, Store
+from dspark_obs.store.store import Ack, Compaction, Store
 
-__all__ = ["Ack", "QueryRefused", "Store", "StoreError"]
+__all__ = ["Ack", "Compaction", "QueryRefused", "Store", "StoreError"]

@@ -2,24 +2,31 @@
 
 Layout (``root`` is the store directory)::
 
-    root/catalog.sql                      CREATE VIEW statements for a user's duckdb shell
-    root/catalog.duckdb                   the same views in a database file (open read-only)
-    root/<table>/run_id=<enc>/seg-*.parquet   immutable segments, one run per directory
-    root/<table>/run_id=<enc>/.lock           the per-(table, run) writer lock
-    root/<table>/run_id=__schema__/_schema.parquet   zero rows: keeps the glob non-empty
+    root/catalog.sql                          CREATE VIEW statements for a duckdb shell
+    root/catalog.duckdb                       the same views in a database file (read-only)
+    root/<table>/run_id=<enc>                 symlink -> .gen/run_id=<enc>.<generation>
+    root/<table>/.gen/run_id=<enc>.<gen>/seg-*.parquet   immutable segments of one run
+    root/<table>/.locks/run_id=<enc>.lock     the per-(table, run) writer lock
+    root/<table>/run_id=+schema/_schema.parquet   zero rows: keeps the glob non-empty
 
 ``<enc>`` is the run_id percent-encoded so that DuckDB's hive partitioning decodes it back
-exactly. A segment is written under a name the readers' glob does not match (``.tmp``),
-fsynced, renamed into place and the directory fsynced: readers see whole segments or none.
+exactly. Readers glob ``<table>/*/*.parquet``; the glob follows each run's symlink, so a
+reader lists one generation of a run, never two. A segment is written under a name the glob
+does not match (``.tmp``), fsynced, renamed into place and its directory fsynced: readers
+see whole segments or none. Compaction writes a new generation and swaps the symlink with one
+rename (a listing shows one generation, never both), then deletes the old generation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import shutil
 import time
 import uuid
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -27,8 +34,10 @@ import pyarrow.parquet as pq
 SEGMENT_PREFIX = "seg-"
 SEGMENT_SUFFIX = ".parquet"
 TMP_SUFFIX = ".tmp"
-LOCK_NAME = ".lock"
-PLACEHOLDER_DIR = "run_id=__schema__"
+GEN_DIR = ".gen"
+LOCK_DIR = ".locks"
+# quote() always encodes "+", so no run can own this directory name.
+PLACEHOLDER_DIR = "run_id=+schema"
 PLACEHOLDER_FILE = "_schema.parquet"
 CATALOG_SQL = "catalog.sql"
 CATALOG_DB = "catalog.duckdb"
@@ -70,7 +79,83 @@ def table_dir(root: Path, table: str) -> Path:
 
 
 def partition_dir(root: Path, table: str, run_id: str) -> Path:
+    """The run's directory as readers and writers address it (a symlink to a generation)."""
     return root / table / partition_name(run_id)
+
+
+def lock_path(root: Path, table: str, run_id: str) -> Path:
+    return root / table / LOCK_DIR / f"{partition_name(run_id)}.lock"
+
+
+def gen_dir(root: Path, table: str) -> Path:
+    return root / table / GEN_DIR
+
+
+def new_generation_name(pname: str) -> str:
+    """``<partition name>.<ns clock>-<random>``: unique, and sorts by creation time."""
+    return f"{pname}.{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
+
+
+def generation_pattern(pname: str) -> re.Pattern[str]:
+    return re.compile(re.escape(pname) + r"\.\d{20}-[0-9a-f]{8}")
+
+
+def current_generation(link: Path) -> str:
+    """The generation directory name a run's symlink points at."""
+    return os.path.basename(os.readlink(link))
+
+
+def point_link(link: Path, target: str) -> None:
+    """Create or atomically repoint the symlink ``link`` -> ``target`` (relative), durably.
+
+    The new link is made inside ``.gen`` first: DuckDB's ``*`` matches hidden names, so a
+    temp link beside the runs would be globbed by readers.
+    """
+    tmp = link.parent / GEN_DIR / tmp_path_for(link).name
+    os.symlink(target, tmp)
+    try:
+        os.replace(tmp, link)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(link.parent)
+
+
+def clean_generations(table_dir: Path, pname: str) -> None:
+    """Under the partition lock: drop what crashed writers and compactions left behind.
+
+    Readers reach segments only through the run's symlink, so a generation the symlink does
+    not point at (never published, or replaced by a compaction) is garbage; so are this
+    partition's temp symlinks (made in ``.gen``).
+    """
+    tmp_link = re.compile(re.escape(f".{pname}.") + r"\d+-[0-9a-f]{8}" + re.escape(TMP_SUFFIX))
+    gens = table_dir / GEN_DIR
+    link = table_dir / pname
+    current = current_generation(link) if link.is_symlink() else None
+    pattern = generation_pattern(pname)
+    removed = False
+    for name in os.listdir(gens):
+        if tmp_link.fullmatch(name):
+            (gens / name).unlink(missing_ok=True)
+            removed = True
+        elif pattern.fullmatch(name) and name != current:
+            shutil.rmtree(gens / name, ignore_errors=True)
+            removed = True
+    if removed:
+        fsync_dir(gens)
+
+
+def partition_runs(root: Path, table: str) -> list[str]:
+    """run_ids that have a partition in ``table`` (decoded from the directory names)."""
+    try:
+        names = os.listdir(root / table)
+    except FileNotFoundError:
+        return []
+    return sorted(
+        unquote(n[len("run_id=") :])
+        for n in names
+        if n.startswith("run_id=") and n != PLACEHOLDER_DIR
+    )
 
 
 def segment_glob(root: Path, table: str) -> str:
@@ -155,6 +240,61 @@ def write_parquet_atomic(
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(dest.parent)
+
+
+class SegmentWriter:
+    """Stream tables into one new segment (compaction): temp name, row groups of up to
+    ``ROW_GROUP_ROWS``, then the same fsync / rename / fsync as :func:`write_parquet_atomic`."""
+
+    def __init__(self, dest: Path, schema: pa.Schema, metadata: dict[bytes, bytes]) -> None:
+        self.dest = dest
+        self.tmp = tmp_path_for(dest)
+        self.schema = schema.with_metadata({**(schema.metadata or {}), **metadata})
+        dictionary, split = _encodings(schema)
+        self._file = open(self.tmp, "wb")  # noqa: SIM115 - closed in commit/abort
+        self._writer = pq.ParquetWriter(
+            self._file,
+            self.schema,
+            compression=COMPRESSION,
+            write_statistics=[c for c in STATS_COLUMNS if c in schema.names] or False,
+            use_dictionary=dictionary,
+            use_byte_stream_split=split or False,
+        )
+        self._pending: list[pa.Table] = []
+        self._pending_rows = 0
+        self.rows = 0
+
+    def write(self, table: pa.Table) -> None:
+        self._pending.append(table)
+        self._pending_rows += table.num_rows
+        if self._pending_rows >= ROW_GROUP_ROWS:
+            self._drain()
+
+    def _drain(self) -> None:
+        if self._pending_rows:
+            data = pa.concat_tables(self._pending).replace_schema_metadata(self.schema.metadata)
+            self._writer.write_table(data, row_group_size=ROW_GROUP_ROWS)
+            self.rows += data.num_rows
+        self._pending, self._pending_rows = [], 0
+
+    def commit(self) -> None:
+        try:
+            self._drain()
+            self._writer.close()
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            os.replace(self.tmp, self.dest)
+        except BaseException:
+            self.abort()
+            raise
+        fsync_dir(self.dest.parent)
+
+    def abort(self) -> None:
+        with contextlib.suppress(Exception):  # the temp file is discarded anyway
+            self._writer.close()
+        self._file.close()
+        self.tmp.unlink(missing_ok=True)
 
 
 def _encodings(schema: pa.Schema) -> tuple[list[str], list[str]]:

@@ -18,9 +18,10 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import duckdb
 import numpy as np
@@ -34,6 +35,7 @@ from dspark_obs.store import layout, views
 from dspark_obs.store.guard import check_read_only
 from dspark_obs.store.layout import StoreError
 
+T = TypeVar("T")
 _RANGES_KEY = b"dspark_obs.fct_ranges"  # footer metadata: {dp_rank: [min_fct, max_fct]}
 _DP_SHIFT = 40  # (dp_rank << 40) | forward_ct packs a step key into one int64
 
@@ -54,6 +56,17 @@ class Ack:
         )
 
 
+@dataclass(frozen=True)
+class Compaction:
+    """One run's table after :meth:`Store.compact`: segments before (now 1), rows kept."""
+
+    table: str
+    run_id: str
+    segments_before: int
+    rows: int
+    skipped: str | None = None
+
+
 @dataclass
 class _Segment:
     path: Path
@@ -67,7 +80,7 @@ class _Partition:
 
     table: str
     run_id: str
-    path: Path
+    path: Path  # the run's symlink; segments are addressed through it
     lock_fd: int
     key_cols: tuple[str, ...]
     segments: list[_Segment] = field(default_factory=list)
@@ -97,6 +110,8 @@ class Store:
         flush_seconds: float | None = None,
     ) -> None:
         self.root = Path(root)
+        if any(c in str(self.root.resolve()) for c in "*?[]{}"):
+            raise StoreError(f"store path {self.root} contains a glob character (*?[]{{}})")
         self.flush_rows = flush_rows
         self.flush_seconds = flush_seconds
         self._buffered = flush_rows is not None or flush_seconds is not None
@@ -225,9 +240,9 @@ class Store:
             ]
             if not overlap:  # fast path: every step is newer (or on another rank)
                 return batch
-            stored = pa.concat_tables(
-                [pq.read_table(s.path, columns=list(part.key_cols)) for s in overlap]
-            )
+            stored = _read_keys([s.path for s in overlap], ranges, part.key_cols)
+            if stored.num_rows == 0:
+                return batch
         else:
             stored = part.keys
             if stored is None or stored.num_rows == 0:
@@ -267,13 +282,16 @@ class Store:
             layout.write_text_atomic(sql_path, text)
 
     def _partition(self, table: str, run_id: str) -> _Partition:
+        """Lock a (table, run) for writing and load what it stores; create it if new."""
         key = (table, run_id)
         part = self._partitions.get(key)
         if part is not None:
             return part
-        path = layout.partition_dir(self.root, table, run_id)
-        layout.ensure_dir(path)
-        fd = os.open(path / layout.LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        link = layout.partition_dir(self.root, table, run_id)
+        tdir = link.parent
+        layout.ensure_dir(tdir / layout.LOCK_DIR)
+        layout.ensure_dir(tdir / layout.GEN_DIR)
+        fd = os.open(layout.lock_path(self.root, table, run_id), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -286,15 +304,83 @@ class Store:
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-            layout.remove_stale_tmp(path)
+            if not os.path.lexists(link):
+                gen = layout.new_generation_name(link.name)
+                layout.ensure_dir(tdir / layout.GEN_DIR / gen)
+                layout.point_link(link, f"{layout.GEN_DIR}/{gen}")
+            elif not link.is_symlink():
+                raise StoreError(f"{link} should be a symlink to a generation directory")
+            layout.clean_generations(tdir, link.name)
+            layout.remove_stale_tmp(link)
             key_cols = tuple(k for k in schema.KEYS[table] if k != "run_id")
-            part = _Partition(table, run_id, path, fd, key_cols)
+            part = _Partition(table, run_id, link, fd, key_cols)
             _load_partition(part)
         except BaseException:
             os.close(fd)
             raise
         self._partitions[key] = part
         return part
+
+    # ------------------------------------------------------------------ compaction
+
+    def compact(self, table: str | None = None, run_id: str | None = None) -> list[Compaction]:
+        """Merge each run's segments into one (fewer files: faster queries). Crash-safe.
+
+        The merged segment goes into a new generation directory, then the run's symlink is
+        repointed with one rename, so a listing shows the old segments or the merged one,
+        never both, and a crash at any point leaves one complete generation (the other is
+        removed at the next writer start). A query that listed the old segments just before
+        the swap fails to open them: :meth:`query` retries; a duckdb shell user re-runs.
+        Meant for finished runs; runs another process is writing are skipped (``skipped``).
+        """
+        with self._mutex:
+            if self._closed:
+                raise StoreError("store is closed")
+            self.flush()
+            done: list[Compaction] = []
+            for t in [table] if table is not None else list(schema.TABLES):
+                if t not in schema.TABLES:
+                    raise StoreError(f"unknown table {t!r}; one of {sorted(schema.TABLES)}")
+                runs = layout.partition_runs(self.root, t)
+                for r in [run_id] if run_id is not None else runs:
+                    if r not in runs:
+                        continue
+                    try:
+                        part = self._partition(t, r)
+                    except StoreError as exc:
+                        if run_id is not None:
+                            raise
+                        done.append(Compaction(t, r, 0, 0, skipped=str(exc)))
+                        continue
+                    done.append(self._compact(part))
+            return done
+
+    def _compact(self, part: _Partition) -> Compaction:
+        before = len(part.segments)
+        rows = sum(s.rows for s in part.segments)
+        if before <= 1:
+            return Compaction(part.table, part.run_id, before, rows)
+        tdir, pname = part.path.parent, part.path.name
+        gen = layout.new_generation_name(pname)
+        gdir = tdir / layout.GEN_DIR / gen
+        layout.ensure_dir(gdir)
+        ranges = _merge_ranges([s.ranges for s in part.segments])
+        meta = {_RANGES_KEY: json.dumps({str(k): v for k, v in ranges.items()}).encode()}
+        dest = gdir / layout.new_segment_name()
+        writer = layout.SegmentWriter(dest, schema.TABLES[part.table], meta if part.by_step else {})
+        try:
+            for seg in part.segments:
+                writer.write(_conform(part.table, pq.read_table(seg.path)))
+        except BaseException:
+            writer.abort()
+            raise
+        writer.commit()
+        if writer.rows != rows:
+            raise StoreError(f"compaction of {pname} wrote {writer.rows} rows, expected {rows}")
+        layout.point_link(part.path, f"{layout.GEN_DIR}/{gen}")  # the one atomic step
+        part.segments = [_Segment(part.path / dest.name, rows, ranges)]
+        layout.clean_generations(tdir, pname)
+        return Compaction(part.table, part.run_id, before, rows)
 
     # ------------------------------------------------------------------ reading
 
@@ -327,14 +413,18 @@ class Store:
     def query(self, sql: str) -> pa.Table:
         """Run read-only SQL against the views; anything that writes raises QueryRefused."""
         check_read_only(sql)  # the guard is what keeps the shared view database intact
-        con = self._reader()
-        try:
-            rel = con.sql(sql)
-            if rel is None:  # a statement without a result (e.g. some PRAGMAs)
-                return pa.table({})
-            return _to_arrow(rel)
-        finally:
-            con.close()
+
+        def run() -> pa.Table:
+            con = self._reader()
+            try:
+                rel = con.sql(sql)
+                if rel is None:  # a statement without a result (e.g. some PRAGMAs)
+                    return pa.table({})
+                return _to_arrow(rel)
+            finally:
+                con.close()
+
+        return _retry_vanished(run)
 
     def export(self, dest_dir: str | os.PathLike[str], run_id: str | None = None) -> dict[str, int]:
         """Write each table (optionally one run) to ``dest_dir/<table>.parquet``, in key order.
@@ -351,10 +441,11 @@ class Store:
                 order = ", ".join(views.ident(k) for k in schema.KEYS[table])
                 final = dest / f"{table}.parquet"
                 tmp = dest / f".{table}.parquet{layout.TMP_SUFFIX}"
-                con.execute(
+                sql = (
                     f"COPY (SELECT * FROM {table}{where} ORDER BY {order}) TO "
                     f"{views.sql_str(tmp)} (FORMAT parquet, COMPRESSION snappy)"
                 )
+                _retry_vanished(lambda sql=sql: con.execute(sql))
                 os.replace(tmp, final)
                 counts[table] = pq.read_metadata(final).num_rows
         finally:
@@ -370,37 +461,45 @@ class Store:
                 "segments": len(files),
                 "bytes": sum(f.stat().st_size for f in files if f.exists()),
             }
-        con = self.connect()
-        try:
-            for table in schema.TABLES:
-                tables[table]["rows"] = con.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
-            per_run = " UNION ALL ".join(
-                f"SELECT run_id, '{t}' AS t, count(*) AS n FROM {t} GROUP BY run_id"
-                for t in ("steps", "req_steps", "requests")
-            )
-            rows = con.execute(
-                f"""
-                WITH c AS ({per_run}),
-                ids AS (SELECT run_id FROM runs UNION SELECT run_id FROM c)
-                SELECT ids.run_id, r.mode, r.workload, r.gamma, r.source,
-                       coalesce(sum(n) FILTER (WHERE t = 'steps'), 0),
-                       coalesce(sum(n) FILTER (WHERE t = 'req_steps'), 0),
-                       coalesce(sum(n) FILTER (WHERE t = 'requests'), 0)
-                FROM ids LEFT JOIN runs r USING (run_id) LEFT JOIN c USING (run_id)
-                GROUP BY ALL ORDER BY ids.run_id
-                """
-            ).fetchall()
-        finally:
-            con.close()
-        cols = ("run_id", "mode", "workload", "gamma", "source", "steps", "req_steps", "requests")
-        return {
-            "root": str(self.root.resolve()),
-            "tables": tables,
-            "runs": [dict(zip(cols, r, strict=True)) for r in rows],
-        }
+        counts = self.query(
+            " UNION ALL ".join(f"SELECT '{t}' AS t, count(*) AS n FROM {t}" for t in schema.TABLES)
+        ).to_pylist()
+        for row in counts:
+            tables[row["t"]]["rows"] = row["n"]
+        per_run = " UNION ALL ".join(
+            f"SELECT run_id, '{t}' AS t, count(*) AS n FROM {t} GROUP BY run_id"
+            for t in ("steps", "req_steps", "requests")
+        )
+        runs = self.query(
+            f"""
+            WITH c AS ({per_run}),
+            ids AS (SELECT run_id FROM runs UNION SELECT run_id FROM c)
+            SELECT ids.run_id, r.mode, r.workload, r.gamma, r.source,
+                   coalesce(sum(n) FILTER (WHERE t = 'steps'), 0)::BIGINT AS steps,
+                   coalesce(sum(n) FILTER (WHERE t = 'req_steps'), 0)::BIGINT AS req_steps,
+                   coalesce(sum(n) FILTER (WHERE t = 'requests'), 0)::BIGINT AS requests
+            FROM ids LEFT JOIN runs r USING (run_id) LEFT JOIN c USING (run_id)
+            GROUP BY ALL ORDER BY ids.run_id
+            """
+        ).to_pylist()
+        return {"root": str(self.root.resolve()), "tables": tables, "runs": runs}
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _retry_vanished(fn: Callable[[], T], attempts: int = 5) -> T:
+    """Run a read again if a segment it had listed vanished (a compaction swapped the run's
+    generation between DuckDB's glob and its open): the next listing is consistent."""
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except duckdb.IOException as exc:
+            gone = "No such file or directory" in str(exc) or "Cannot open file" in str(exc)
+            if not gone or attempt == attempts - 1:
+                raise
+            time.sleep(0.01 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def _to_arrow(rel: duckdb.DuckDBPyRelation) -> pa.Table:
@@ -505,6 +604,44 @@ def _anti_join(batch: pa.Table, stored: pa.Table, key_cols: tuple[str, ...]) -> 
     return batch.take(pa.array(np.sort(keep)))
 
 
+def _merge_ranges(all_ranges: list[dict[int, tuple[int, int]]]) -> dict[int, tuple[int, int]]:
+    out: dict[int, tuple[int, int]] = {}
+    for ranges in all_ranges:
+        for d, (lo, hi) in ranges.items():
+            a, b = out.get(d, (lo, hi))
+            out[d] = (min(a, lo), max(b, hi))
+    return out
+
+
+def _read_keys(
+    paths: list[Path], ranges: dict[int, tuple[int, int]], key_cols: tuple[str, ...]
+) -> pa.Table:
+    """Key columns of the row groups whose (dp_rank, forward_ct) statistics overlap ``ranges``
+    (a compacted segment is read a row group at a time, not whole)."""
+    parts = []
+    for path in paths:
+        pf = pq.ParquetFile(path)
+        md = pf.metadata
+        leaf = {md.schema.column(i).path: i for i in range(md.num_columns)}
+        groups = []
+        for g in range(md.num_row_groups):
+            rg = md.row_group(g)
+            fs, ds = rg.column(leaf["forward_ct"]).statistics, rg.column(leaf["dp_rank"]).statistics
+            if fs is None or ds is None or not (fs.has_min_max and ds.has_min_max):
+                groups.append(g)
+                continue
+            if any(
+                ds.min <= d <= ds.max and fs.min <= hi and lo <= fs.max
+                for d, (lo, hi) in ranges.items()
+            ):
+                groups.append(g)
+        if groups:
+            parts.append(pf.read_row_groups(groups, columns=list(key_cols)))
+    if not parts:
+        return pa.table({c: pa.array([], pa.int64()) for c in key_cols})
+    return pa.concat_tables(parts, promote_options="permissive")
+
+
 def _load_partition(part: _Partition) -> None:
     """Read what a partition stores: segment footers (step ranges) or key columns."""
     for path in layout.segment_files(part.path):
@@ -555,7 +692,7 @@ def _write_catalog_db(root: Path, db_path: Path) -> None:
 def _segments_of(root: Path, table: str) -> list[Path]:
     tdir = layout.table_dir(root, table)
     try:
-        parts = sorted(p for p in tdir.iterdir() if p.is_dir())
+        parts = sorted(p for p in tdir.iterdir() if not p.name.startswith(".") and p.is_dir())
     except FileNotFoundError:
         return []
     return [f for p in parts for f in layout.segment_files(p)]
