@@ -189,7 +189,9 @@ class RecordError:
 # ---------------------------------------------------------------- building batches
 
 
-def to_table(table: str, rows: Sequence[Mapping[str, Any]] | pa.Table) -> tuple[pa.Table, list[RecordError]]:
+def to_table(
+    table: str, rows: Sequence[Mapping[str, Any]] | pa.Table
+) -> tuple[pa.Table, list[RecordError]]:
     """Turn rows (dicts) or an Arrow table into a table of the named schema.
 
     Rows whose values have the wrong type are dropped and reported, field by field; the
@@ -261,7 +263,9 @@ def _has_fractional_int(schema: pa.Schema, rows: Sequence[Mapping[str, Any]]) ->
     return False
 
 
-def _row_type_error(table: str, schema: pa.Schema, i: int, row: Mapping[str, Any]) -> RecordError | None:
+def _row_type_error(
+    table: str, schema: pa.Schema, i: int, row: Mapping[str, Any]
+) -> RecordError | None:
     for field in schema:
         value = row.get(field.name)
         if value is None:
@@ -285,7 +289,9 @@ def _row_type_error(table: str, schema: pa.Schema, i: int, row: Mapping[str, Any
 def _conform(table: str, data: pa.Table) -> pa.Table:
     """Cast an Arrow table to the schema: add missing optional columns, reorder, cast."""
     schema = _schema(table)
-    missing_required = [f.name for f in schema if not f.nullable and f.name not in data.column_names]
+    missing_required = [
+        f.name for f in schema if not f.nullable and f.name not in data.column_names
+    ]
     if missing_required:
         raise SchemaError(f"{table}: missing required column(s) {missing_required}")
     cols = []
@@ -296,7 +302,9 @@ def _conform(table: str, data: pa.Table) -> pa.Table:
                 try:
                     col = col.cast(field.type)
                 except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-                    raise SchemaError(f"{table}.{field.name}: cannot cast {col.type} to {field.type}: {exc}") from exc
+                    raise SchemaError(
+                        f"{table}.{field.name}: cannot cast {col.type} to {field.type}: {exc}"
+                    ) from exc
         elif table == "steps" and field.name in SGLANG_STEP_INT_FIELDS:
             col = pa.array(np.full(data.num_rows, _STEP_INT_DEFAULT, dtype=np.int64))
         else:
@@ -315,7 +323,9 @@ def _schema(table: str) -> pa.Schema:
 # ---------------------------------------------------------------- validation
 
 
-def validate(table: str, rows: Sequence[Mapping[str, Any]] | pa.Table) -> tuple[pa.Table, list[RecordError]]:
+def validate(
+    table: str, rows: Sequence[Mapping[str, Any]] | pa.Table
+) -> tuple[pa.Table, list[RecordError]]:
     """Type-check and rule-check a batch. Returns (valid rows, one error per rejected row)."""
     data, errors, kept = _to_table(table, rows)
     # from_pylist and casts do not enforce nullable=False: a missing key must be caught here.
@@ -352,7 +362,9 @@ def _null(col: pa.ChunkedArray) -> np.ndarray:
     return pc.is_null(col).to_numpy(zero_copy_only=False)
 
 
-def _enum(data: pa.Table, field: str, allowed: Iterable[str], nullable: bool) -> tuple[str, np.ndarray, str]:
+def _enum(
+    data: pa.Table, field: str, allowed: Iterable[str], nullable: bool
+) -> tuple[str, np.ndarray, str]:
     col = data.column(field)
     ok = pc.is_in(col, value_set=pa.array(list(allowed))).to_numpy(zero_copy_only=False)
     if nullable:
@@ -360,7 +372,9 @@ def _enum(data: pa.Table, field: str, allowed: Iterable[str], nullable: bool) ->
     return field, ~ok, f"must be one of {list(allowed)}"
 
 
-def _probability_lists(data: pa.Table, field: str, gamma: np.ndarray) -> list[tuple[str, np.ndarray, str]]:
+def _probability_lists(
+    data: pa.Table, field: str, gamma: np.ndarray
+) -> list[tuple[str, np.ndarray, str]]:
     col = data.column(field)
     null = _null(col)
     lengths = _np(pc.list_value_length(col), 0)
@@ -388,12 +402,26 @@ def _req_step_rules(data: pa.Table) -> list[tuple[str, np.ndarray, str]]:
     no_drafts = _null(data.column("draft_tokens"))
     checks = [
         ("gamma", gamma < 1, "gamma must be >= 1"),
-        ("verify_len", (verify_len < 1) | (verify_len > gamma + 1), "verify_len must be in 1..gamma+1"),
-        ("correct_drafts", (correct < 0) | (correct > np.maximum(verify_len - 1, 0)),
-         "correct_drafts must be in 0..verify_len-1"),
-        ("acc_len", (acc_len > correct + 1) | (acc_len < 1) | ((acc_len != correct + 1) & ~may_cut),
-         "acc_len must equal correct_drafts+1 (smaller only on a request's final step)"),
-        ("cap_trim", (cap_trim < 0) | (correct + cap_trim > gamma), "cap_trim must be in 0..gamma-correct_drafts"),
+        (
+            "verify_len",
+            (verify_len < 1) | (verify_len > gamma + 1),
+            "verify_len must be in 1..gamma+1",
+        ),
+        (
+            "correct_drafts",
+            (correct < 0) | (correct > np.maximum(verify_len - 1, 0)),
+            "correct_drafts must be in 0..verify_len-1",
+        ),
+        (
+            "acc_len",
+            (acc_len > correct + 1) | (acc_len < 1) | ((acc_len != correct + 1) & ~may_cut),
+            "acc_len must equal correct_drafts+1 (smaller only on a request's final step)",
+        ),
+        (
+            "cap_trim",
+            (cap_trim < 0) | (correct + cap_trim > gamma),
+            "cap_trim must be in 0..gamma-correct_drafts",
+        ),
         ("draft_tokens", ~no_drafts & (draft_len != gamma), "length must equal gamma"),
     ]
     for field in ("confidence", "survival"):
@@ -405,8 +433,11 @@ def _req_step_rules(data: pa.Table) -> list[tuple[str, np.ndarray, str]]:
 
 
 def _step_rules(data: pa.Table) -> list[tuple[str, np.ndarray, str]]:
-    checks = [("forward_ct", _np(data.column("forward_ct")) < 0, "forward_ct must be >= 0"),
-              _enum(data, "mode", MODES, nullable=True), _enum(data, "source", SOURCES, nullable=True)]
+    checks = [
+        ("forward_ct", _np(data.column("forward_ct")) < 0, "forward_ct must be >= 0"),
+        _enum(data, "mode", MODES, nullable=True),
+        _enum(data, "source", SOURCES, nullable=True),
+    ]
     for f in SGLANG_STEP_FLOAT_FIELDS:
         v = _np(data.column(f), 0.0)
         checks.append((f, ~np.isfinite(v), "must be finite (or absent)"))
@@ -431,13 +462,20 @@ def _request_rules(data: pa.Table) -> list[tuple[str, np.ndarray, str]]:
     return checks
 
 
-_RULES = {"runs": _run_rules, "steps": _step_rules, "req_steps": _req_step_rules, "requests": _request_rules}
+_RULES = {
+    "runs": _run_rules,
+    "steps": _step_rules,
+    "req_steps": _req_step_rules,
+    "requests": _request_rules,
+}
 
 
 # ---------------------------------------------------------------- SGLang round trip
 
 
-def steps_from_sglang(dump: Mapping[str, Any], run_id: str, dp_rank: int = 0) -> tuple[list[dict], list[dict]]:
+def steps_from_sglang(
+    dump: Mapping[str, Any], run_id: str, dp_rank: int = 0
+) -> tuple[list[dict], list[dict]]:
     """Split one ``dspark_info_record`` (from GET /server_info) into step rows and req-step rows."""
     gamma = int(dump["gamma"])
     steps, req_steps = [], []
@@ -454,7 +492,9 @@ def steps_from_sglang(dump: Mapping[str, Any], run_id: str, dp_rank: int = 0) ->
     return steps, req_steps
 
 
-def step_to_sglang(step: Mapping[str, Any], reqs: Sequence[Mapping[str, Any]] | None = None) -> dict:
+def step_to_sglang(
+    step: Mapping[str, Any], reqs: Sequence[Mapping[str, Any]] | None = None
+) -> dict:
     """Render a step row (and its req-step rows) as SGLang's DecodeStepRecord dict.
 
     Fields at their default (-1, null) are left out, as SGLang leaves them out.

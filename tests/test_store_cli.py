@@ -127,3 +127,14 @@ def test_missing_store(app: typer.Typer, tmp_path: Path) -> None:
     code, out, err = run(app, "query", "SELECT count(*) AS n FROM steps", "-f", "json",
                          "--store", str(tmp_path / "none"))
     assert code == 0 and json.loads(out) == [{"n": 0}] and "no store at" in err
+
+
+def test_store_compact(app: typer.Typer, tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    with Store(root) as store:
+        for table, _, batch in src.source(RUN, 4):
+            store.write(table, batch)
+    code, out, _ = run(app, "store-compact", "--store", str(root))
+    assert code == 0 and f"req_steps {RUN}: 192 rows, 4 segments -> 1" in out
+    info = Store(root).info()["tables"]
+    assert info["req_steps"] == {"rows": 192, "segments": 1, "bytes": info["req_steps"]["bytes"]}

@@ -133,6 +133,9 @@ def run_command(
                 extra_config={"split": split, "device": device},
                 progress=progress,
             )
+        for r in (main, comp):
+            if r is not None:
+                sink.compact(run_id=r.run_id)  # one segment per table: faster queries
         sink.close()
     except (EngineError, CostTableError, WorkloadFileError, StoreError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}")

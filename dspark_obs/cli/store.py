@@ -1,4 +1,5 @@
-"""Store commands: ``query`` (read-only SQL), ``export`` (Parquet) and ``store-info``.
+"""Store commands: ``query`` (read-only SQL), ``export`` (Parquet), ``store-info`` and
+``store-compact``.
 
 The store directory comes from ``--store``, else $DSPARK_OBS_STORE, else ``./store``.
 Errors print one clear line on stderr, never a traceback: exit 2 for a refused (writing)
@@ -137,11 +138,32 @@ def store_info(
     out.print(runs)
 
 
+def compact(
+    store: StoreOpt = Path("store"),
+    run: Annotated[str | None, typer.Option("--run", help="Only this run_id.")] = None,
+) -> None:
+    """Merge each finished run's segments into one file per table (faster queries)."""
+    if not store.exists():
+        raise _fail(f"no store at {store}", 1)
+    try:
+        with Store(store) as s:
+            done = s.compact(run_id=run)
+    except (StoreError, duckdb.Error, OSError) as exc:
+        raise _fail(str(exc), 1) from None
+    out = Console()
+    for c in done:
+        what = f"skipped ({c.skipped})" if c.skipped else (
+            f"{c.segments_before} segments -> 1" if c.segments_before > 1 else "already 1 segment"
+        )
+        out.print(Text(f"{c.table} {c.run_id}: {c.rows:,} rows, {what}"))
+
+
 def register(app: typer.Typer) -> None:
     """Add the store commands to the ``dspark-obs`` app."""
     app.command("query")(query)
     app.command("export")(export)
     app.command("store-info")(store_info)
+    app.command("store-compact")(compact)
 
 
 # ---------------------------------------------------------------------- formatting

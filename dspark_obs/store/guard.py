@@ -81,6 +81,11 @@ def _check(parser: duckdb.DuckDBPyConnection, sql: str, depth: int) -> None:
                 f"allowed: SELECT, EXPLAIN and the reporting PRAGMAs {sorted(_READ_PRAGMAS)}"
             )
         short = text if len(text) <= 60 else text[:57] + "..."
+        if kind == "MULTI":  # e.g. PIVOT without IN: DuckDB creates an ENUM type first
+            raise QueryRefused(
+                f"the store is read-only: refused a MULTI statement ({short!r}), which creates "
+                "objects before it reads; for PIVOT, list the values: PIVOT ... ON col IN (...)"
+            )
         raise QueryRefused(
             f"the store is read-only: refused a {kind} statement ({short!r}); "
             "only SELECT / EXPLAIN / reporting PRAGMAs run here, and data enters the store "

@@ -96,6 +96,7 @@ def catalog_sql(root: Path) -> str:
         "-- Views re-read the segment globs on every query: new segments appear as they land.",
         "-- Keys (a row with the same key is the same fact): "
         + "; ".join(f"{t}({', '.join(k)})" for t, k in KEYS.items()),
+        "-- Timestamps (ts, started_at) are UTC; show them as such.",
         "SET TimeZone = 'UTC';",
     ]
     body = [s + ";" for s in view_statements(root, dict.fromkeys(TABLES, True))]
