@@ -203,9 +203,44 @@ class Report:
                 t.add_row(*[format_cell(v) for v in row])
             return t
 
-        items.append(table("Per workload", self.workloads, HEADERS))
+        # Two narrow tables rather than one wide one: readable in an 80-column terminal.
+        w = self.workloads
+        keys = [c for c in ("run_id", "workload") if c in w.columns]
+        first = [
+            c
+            for c in (
+                "steps",
+                "mean_window",
+                "share_max_window",
+                "share_window_le3",
+                "mean_committed",
+                "mean_ceiling",
+                "utilization",
+                "tokens_left",
+            )
+            if c in w.columns
+        ]
+        second = [c for c in w.columns if c not in keys and c not in first]
+        items.append(table("Windows and ceiling per workload", w[keys + first], HEADERS))
+        items.append(table("Estimate (compact alone) and calibration", w[keys + second], HEADERS))
         if len(self.validation):
-            items.append(table("Estimator vs companion truth", self.validation))
+            v = self.validation
+            vcols = [
+                c
+                for c in (
+                    "run_id",
+                    "workload",
+                    "truth_mean_ceiling",
+                    "mean_lo",
+                    "mean_hi",
+                    "mean_point",
+                    "point_pct_err",
+                    "inside_bracket",
+                    "interval_covers",
+                )
+                if c in v.columns
+            ]
+            items.append(table("Estimator vs companion truth", v[vcols]))
         if len(self.calibration):
             cols = [
                 c

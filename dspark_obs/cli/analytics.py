@@ -63,7 +63,10 @@ def report_command(
     except StsFileError as exc:
         raise _fail(str(exc)) from exc
     rep = build_report(rs, rq, runs, steps=steps, sts=temps, n_boot=boot, seed=seed)
-    rep.print_rich()
+    from rich.console import Console
+
+    console = Console()
+    rep.print_rich(Console(width=max(console.width, 132)) if not console.is_terminal else console)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "REPORT.json").write_text(rep.to_json())
