@@ -61,7 +61,7 @@ def test_report_from_store_view(sim):
     console = Console(record=True, width=250)
     console.print(rep.to_rich())
     text = console.export_text()
-    assert "Per workload" in text and "poetry" in text
+    assert "per workload" in text and "poetry" in text
 
 
 def test_report_with_separate_companion_and_given_sts(sim):
