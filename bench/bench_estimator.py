@@ -23,8 +23,11 @@ import torch
 from dspark_obs.analytics import (
     coverage,
     estimate_blocks,
+    fit_sts_heldout,
     pair_companion,
+    sts_data_from_req_steps,
     validate_estimator,
+    window_stats,
 )
 from dspark_obs.engine.loop import EngineConfig
 from dspark_obs.engine.session import (
@@ -50,7 +53,7 @@ def main() -> None:
     models = load_models(device=args.device)
     table = load_cost_table(None, "cpu")
     cfg = EngineConfig(mode="compact", gamma=5, max_batch=args.requests, cost_table=table)
-    validations, steps_all, pairs_ok = [], [], 0
+    validations, steps_all, compact_all, pairs_ok = [], [], [], 0
     t0 = time.perf_counter()
     for rep in range(args.replicates):
         traffic = mixed_traffic(
@@ -80,6 +83,7 @@ def main() -> None:
         est = estimate_blocks(compact, rq[rq.run_id == f"rep{rep}"], gamma=5)
         validations.append(validate_estimator(est, pair, n_boot=args.boot, seed=rep))
         steps_all.append(pair.steps.assign(rep=rep))
+        compact_all.append(compact)
         print(
             f"replicate {rep + 1}/{args.replicates} ({time.perf_counter() - t0:.0f}s)", flush=True
         )
@@ -109,8 +113,34 @@ def main() -> None:
         f"companion identical in {pairs_ok}/{args.replicates}"
     )
     print(summary.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
+    compact = pd.concat(compact_all, ignore_index=True)
+    windows = window_stats(compact)
+    print("\nwindows (compact):")
+    print(windows.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    runs = pd.DataFrame({"run_id": compact.run_id.unique(), "mode": "compact"})
+    sts = fit_sts_heldout(sts_data_from_req_steps(compact, runs), heldout_frac=0.3, seed=0)
+    print(
+        f"\nSTS fitted on {sts.fit_requests} requests, judged on {sts.heldout_requests} held out: "
+        f"pooled ECE {sts.pooled_before:.4f} -> {sts.pooled_after:.4f}; "
+        f"T = {[round(t, 2) for t in sts.calibration.temperatures]}"
+    )
+    print(sts.by_workload.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
     if args.out:
-        args.out.write_text(json.dumps(summary.to_dict(orient="records"), indent=2))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "estimator": summary.to_dict(orient="records"),
+                    "windows": windows.to_dict(orient="records"),
+                    "sts": {
+                        "before": sts.pooled_before,
+                        "after": sts.pooled_after,
+                        "by_workload": sts.by_workload.to_dict(orient="records"),
+                    },
+                },
+                indent=2,
+                default=float,
+            )
+        )
 
 
 if __name__ == "__main__":

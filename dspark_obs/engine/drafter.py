@@ -24,6 +24,21 @@ Design (why each part is there):
   optional per-position STS temperatures (SGLang's ``{"temperatures": [...]}`` JSON). It is
   trained towards the analytic acceptance ``1 - TV(p_k, q_k)``, i.e. the probability that
   draft k survives given that drafts ``1..k-1`` did.
+* Any gamma <= ``gamma_max``. The backbone always runs the trained block size
+  (``gamma_max`` positions) and returns the first ``gamma``: a shorter block sees exactly the
+  inputs it was trained on, so its drafts are the prefix of the full block's.
+
+Decode-loop protocol (per request: a target KVCache and a :class:`DrafterCache`):
+
+1. prefill the prompt with ``hidden_layers``; the first sampled token is the anchor; the
+   prompt's hidden rows are the request's ``new_hidden``;
+2. each step ``draft_batch(caches, anchors, gamma, temperatures, generators, new_hidden)``
+   (appends ``new_hidden`` to each cache, then drafts); verify ``[anchor, drafts]`` with
+   ``hidden_layers``; accept ``c`` drafts; truncate the target cache to the committed length;
+   the next ``new_hidden`` = the verify pass's hidden rows ``[: c + 1]`` (anchor + accepted
+   drafts); the bonus/corrected token becomes the next anchor.
+
+Only committed positions' features ever enter a DrafterCache, so it never needs rollback.
 """
 
 from __future__ import annotations
@@ -335,20 +350,24 @@ class Drafter(nn.Module):
             self.conf_head.bias.fill_(1.0)
 
     @property
-    def target(self) -> nn.Module:
-        return self._target  # type: ignore[no-any-return]
+    def target(self) -> Any:
+        """The shared, frozen target (not a submodule: never saved, never moved)."""
+        return self.__dict__["_target"]
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
         """Which target layers' outputs the drafter conditions on (concatenated in order)."""
         return self.cfg.hidden_layers
 
+    def _draft_layers(self) -> list[DraftLayer]:
+        return [m for m in self.layers if isinstance(m, DraftLayer)]
+
     def _embed(self, tokens: Tensor) -> Tensor:
         return _target_embed(self.target, tokens)
 
     def _final_norm(self, x: Tensor) -> Tensor:
         """The target's (frozen) final RMSNorm: drafter states live in its output space."""
-        return self.target.norm(x)  # type: ignore[no-any-return, operator]
+        return self.target.norm(x)  # type: ignore[no-any-return]
 
     def _logits(self, h: Tensor) -> Tensor:
         return _target_lm_head(self.target, h)
@@ -426,7 +445,7 @@ class Drafter(nn.Module):
         blk_id = torch.arange(nb, device=dev).repeat_interleave(gamma)
         blk_ok = (blk_id.unsqueeze(1) == blk_id.unsqueeze(0)).expand(b, -1, -1)
         mask = torch.cat([ctx_ok, blk_ok], -1).unsqueeze(1)
-        for layer in self.layers:
+        for layer in self._draft_layers():
             ck, cv = layer.kv(feats, ctx_pos)
             x = layer(x, blk_pos, ck, cv, mask)
         h = self._final_norm(x)
@@ -456,7 +475,7 @@ class Drafter(nn.Module):
         feats = self.project_context(hidden.to(dev)).unsqueeze(0)  # [1, n, d]
         pos = torch.arange(cache.num_positions, cache.num_positions + n, device=dev)[None]
         new_k, new_v = [], []
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self._draft_layers()):
             k, v = layer.kv(feats, pos)
             k, v = k[0], v[0]  # [kvh, n, hd]
             if cache.keys:
@@ -529,7 +548,7 @@ class Drafter(nn.Module):
             q = torch.softmax(lg / tsafe[:, None], -1)
             tok = lg.argmax(-1)
             if not bool(greedy.all()):
-                tok = torch.where(greedy, tok, _sample_rows(q, generator))
+                tok = torch.where(greedy, tok, _sample_rows(q, generator, greedy))
             p_tok = q.gather(1, tok[:, None])[:, 0]
             toks.append(tok)
             lps.append(torch.log(p_tok.clamp_min(1e-30)))
@@ -615,13 +634,19 @@ class Drafter(nn.Module):
 
 
 def _sample_rows(
-    q: Tensor, generator: torch.Generator | Sequence[torch.Generator | None] | None
+    q: Tensor,
+    generator: torch.Generator | Sequence[torch.Generator | None] | None,
+    skip: Tensor,
 ) -> Tensor:
     """One sample per row of q [B, V]: per-request generators (reproducible per request
-    whatever the batch) or one shared generator (one vectorized call)."""
+    whatever the batch: greedy rows in ``skip`` draw nothing) or one shared generator (one
+    vectorized call)."""
     if isinstance(generator, Sequence):
         out = []
         for i, g in enumerate(generator):
+            if bool(skip[i]):
+                out.append(q[i].argmax().reshape(1))
+                continue
             qi = q[i] if g is None or g.device == q.device else q[i].to(g.device)
             out.append(torch.multinomial(qi, 1, generator=g).to(q.device))
         return torch.cat(out)

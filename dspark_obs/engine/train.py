@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dspark_obs.engine.drafter import Drafter, DrafterConfig
+from dspark_obs.engine.model import ModelConfig
 
 WORKLOAD_NAMES = ("math", "chat", "poetry")
 DATA_FILE = "data.pt"
@@ -129,9 +130,10 @@ class PaddedRunner:
     """
 
     def __init__(self, target: nn.Module, device: torch.device | str):
-        self.target: Any = target
+        tgt: Any = target
+        self.target = tgt
         self.device = torch.device(device)
-        self.cfg = target.cfg
+        self.cfg: ModelConfig = tgt.cfg
 
     def _qkv(self, blk: Any, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q [B, H, T, hd], k/v [B, kvh, T, hd]; cos/sin [B*T, hd/2] for the rows' positions."""
@@ -475,6 +477,7 @@ def train_drafter(
     ckpt_every: int = 200,
     log_every: int = 20,
     time_budget_s: float | None = None,
+    stop_after: int | None = None,
     runner: Any | None = None,
     eos_ids: Sequence[int] | None = None,
     log: Callable[[str], None] = print,
@@ -482,7 +485,9 @@ def train_drafter(
     """Generate target data (or reuse ``out_dir/data.pt``), train, checkpoint, export.
 
     ``prompts`` (pairs of workload name and token ids) bypasses the workload loaders (tests,
-    custom data). ``time_budget_s`` stops early (checkpointed) when the wall clock runs out.
+    custom data). ``time_budget_s`` stops early (checkpointed) when the wall clock runs out
+    and also paces the LR schedule; ``stop_after`` ends this invocation after that many steps
+    (checkpointed; ``resume=True`` continues on the same schedule), for time-sliced machines.
     The trained drafter is exported with :meth:`Drafter.save` to ``out_dir/drafter``.
     """
     dev = torch.device(device)
@@ -563,6 +568,9 @@ def train_drafter(
     win: list[LossParts] = []
     stopped_early = False
     while step < steps:
+        if stop_after is not None and step - start_step >= stop_after:
+            stopped_early = True
+            break
         if time_budget_s is not None and time.time() - t_start > time_budget_s:
             stopped_early = True
             log(f"[train] time budget {time_budget_s:.0f}s reached at step {step}")

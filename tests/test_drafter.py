@@ -1,0 +1,249 @@
+"""DSpark drafter: exact left-to-right draft probabilities, confidence/STS, caches, persistence,
+and the shipped checkpoint against the real SmolLM2 (skipped only without the GGUF)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dspark_obs.engine.drafter import Drafter, DrafterConfig, load_sts
+from dspark_obs.engine.drafter_eval import _accept, ece_parity, speculative_run
+from dspark_obs.engine.model import KVCache, ModelConfig, Target
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "runtime" / "drafter"
+
+
+def _target(**kw: object) -> Target:
+    torch.manual_seed(0)
+    return Target(ModelConfig.tiny(**kw)).eval()
+
+
+def _drafter(target: Target, **kw: object) -> Drafter:
+    torch.manual_seed(1)
+    cfg = DrafterConfig.for_target(target, gamma_max=4, num_layers=2, markov_rank=8, **kw)
+    d = Drafter(cfg, target).eval()
+    with torch.no_grad():  # a non-trivial Markov head and confidence head
+        d.markov_v.normal_(std=0.5)
+        d.markov_u.weight.normal_(std=0.5)
+        d.conf_head.weight.normal_(std=0.5)
+    return d
+
+
+def _context(target: Target, drafter: Drafter, n: int, seed: int = 0) -> tuple[torch.Tensor, int]:
+    g = torch.Generator().manual_seed(seed)
+    toks = torch.randint(0, target.cfg.vocab_size, (n,), generator=g)
+    out = target.forward([toks], [KVCache(target.cfg, n + 8)], drafter.hidden_layers)
+    return out.hidden[0], int(out.logits[0][-1].argmax())
+
+
+def test_draft_probabilities_are_exact_left_to_right() -> None:
+    tgt = _target()
+    d = _drafter(tgt)
+    hidden, anchor = _context(tgt, d, 9)
+    temp = 0.7
+    blk = d.draft(
+        hidden, anchor, gamma=4, temperature=temp, generator=torch.Generator().manual_seed(3)
+    )
+    assert blk.tokens.shape == (4,) and blk.probs.shape == (4, tgt.cfg.vocab_size)
+    assert torch.allclose(blk.probs.sum(-1), torch.ones(4), atol=1e-5)
+    # teacher-forced recomputation with the drafted tokens as the realized block
+    n = hidden.shape[0]
+    seq = torch.cat([torch.zeros(n, dtype=torch.long), torch.tensor([anchor]), blk.tokens])[None]
+    feats = torch.zeros(1, seq.shape[1], hidden.shape[1])
+    feats[0, :n] = hidden
+    with torch.no_grad():
+        _, logits, z = d.forward_train(feats, seq, torch.tensor([[n]]), d.cfg.gamma_max)
+    q = torch.softmax(logits[0, 0] / temp, -1)  # [gamma, V]
+    assert torch.allclose(q, blk.probs, atol=1e-5)
+    q_tok = q.gather(1, blk.tokens[:, None])[:, 0]
+    assert torch.allclose(q_tok.log(), blk.logprobs, atol=1e-5)
+    assert torch.allclose(z[0, 0], blk.conf_logits, atol=1e-5)
+
+
+def test_markov_head_changes_later_positions_with_the_previous_draft() -> None:
+    tgt = _target()
+    d = _drafter(tgt)
+    hidden, anchor = _context(tgt, d, 7)
+    a = d.draft(
+        hidden, anchor, gamma=3, temperature=1.0, generator=torch.Generator().manual_seed(0)
+    )
+    b = d.draft(
+        hidden, anchor, gamma=3, temperature=1.0, generator=torch.Generator().manual_seed(5)
+    )
+    assert torch.allclose(a.probs[0], b.probs[0])  # position 1 only depends on the anchor
+    if a.tokens[0] != b.tokens[0]:
+        assert not torch.allclose(a.probs[1], b.probs[1])
+
+
+def test_greedy_takes_argmax_and_shorter_gamma_is_a_prefix() -> None:
+    tgt = _target()
+    d = _drafter(tgt)
+    hidden, anchor = _context(tgt, d, 6)
+    full = d.draft(hidden, anchor, gamma=4, temperature=0.0)
+    assert torch.equal(full.tokens, full.probs.argmax(-1))
+    short = d.draft(hidden, anchor, gamma=2, temperature=0.0)
+    assert torch.equal(short.tokens, full.tokens[:2])
+    assert torch.allclose(short.confidence, full.confidence[:2])
+    with pytest.raises(ValueError, match="gamma"):
+        d.draft(hidden, anchor, gamma=5)
+
+
+def test_per_request_generators_are_batch_independent() -> None:
+    tgt = _target()
+    d = _drafter(tgt)
+    (h1, a1), (h2, a2) = _context(tgt, d, 5, seed=1), _context(tgt, d, 8, seed=2)
+    g_greedy, g_samp = torch.Generator().manual_seed(11), torch.Generator().manual_seed(12)
+    batch = d.draft_batch(
+        [d.new_cache(), d.new_cache()], [a1, a2], 3, [0.0, 1.0], [g_greedy, g_samp], [h1, h2]
+    )
+    assert torch.equal(g_greedy.get_state(), torch.Generator().manual_seed(11).get_state())
+    alone = d.draft(h2, a2, gamma=3, temperature=1.0, generator=torch.Generator().manual_seed(12))
+    assert torch.equal(batch.tokens[1], alone.tokens)
+    assert torch.equal(batch.tokens[0], d.draft(h1, a1, gamma=3).tokens)
+
+
+def test_confidence_in_unit_interval_and_sts_applied(tmp_path: Path) -> None:
+    tgt = _target()
+    d = _drafter(tgt)
+    hidden, anchor = _context(tgt, d, 8)
+    blk = d.draft(hidden, anchor, gamma=4)
+    assert ((blk.confidence > 0) & (blk.confidence < 1)).all()
+    assert torch.allclose(blk.confidence, torch.sigmoid(blk.conf_logits))
+    assert torch.allclose(blk.survival, torch.cumprod(blk.confidence, 0))
+    temps = [0.5, 2.0, 3.0, 4.0]
+    sts = tmp_path / "sts.json"
+    sts.write_text(json.dumps({"temperatures": temps, "dataset": "x", "num_samples": 3}))
+    d.set_sts(sts)
+    blk2 = d.draft(hidden, anchor, gamma=4)
+    assert torch.allclose(blk2.conf_logits, blk.conf_logits)
+    assert torch.allclose(blk2.confidence, torch.sigmoid(blk.conf_logits / torch.tensor(temps)))
+    d.set_sts([1.0])  # fewer temperatures than gamma: refused at draft time
+    with pytest.raises(ValueError, match="STS"):
+        d.draft(hidden, anchor, gamma=2)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [{"temps": [1.0]}, {"temperatures": []}, {"temperatures": [1.0, -1.0]},
+     {"temperatures": [1.0, "x"]}, {"temperatures": [float("inf")]}, [1.0]],
+)  # fmt: skip
+def test_load_sts_rejects_bad_files(tmp_path: Path, payload: object) -> None:
+    p = tmp_path / "sts.json"
+    p.write_text(json.dumps(payload))
+    with pytest.raises(ValueError):
+        load_sts(p)
+
+
+def test_cache_incremental_equals_one_shot_and_window() -> None:
+    tgt = _target()
+    d = _drafter(tgt)
+    hidden, anchor = _context(tgt, d, 12)
+    one = d.new_cache()
+    d.extend(one, hidden)
+    inc = d.new_cache()
+    for s in range(0, 12, 5):
+        d.extend(inc, hidden[s : s + 5])
+    assert inc.num_positions == one.num_positions == 12
+    a = d.draft_batch([one], [anchor], 3)
+    b = d.draft_batch([inc], [anchor], 3)
+    assert torch.allclose(a.probs, b.probs, atol=1e-6)
+    inc.truncate(10)
+    assert inc.num_positions == 10 and inc.length == 10
+    small = _drafter(tgt, context_window=4)
+    c = small.new_cache()
+    small.extend(c, hidden)
+    assert c.length == 4 and c.num_positions == 12
+
+
+def test_batched_draft_matches_single_requests() -> None:
+    tgt = _target()
+    d = _drafter(tgt)
+    (h1, a1), (h2, a2) = _context(tgt, d, 5, seed=1), _context(tgt, d, 11, seed=2)
+    c1, c2 = d.new_cache(), d.new_cache()
+    batch = d.draft_batch([c1, c2], [a1, a2], 3, 0.0, new_hidden=[h1, h2])
+    s1 = d.draft(h1, a1, gamma=3)
+    s2 = d.draft(h2, a2, gamma=3)
+    assert torch.allclose(batch.probs[0], s1.probs, atol=1e-5)
+    assert torch.allclose(batch.probs[1], s2.probs, atol=1e-5)
+    assert torch.equal(batch.tokens, torch.stack([s1.tokens, s2.tokens]))
+
+
+def test_save_load_round_trip_and_mismatch(tmp_path: Path) -> None:
+    tgt = _target()
+    d = _drafter(tgt)
+    with torch.no_grad():  # stored as bf16: make the reference exactly representable
+        for p in d.parameters():
+            p.copy_(p.bfloat16().float())
+    d.set_sts([1.5, 1.0, 1.0, 1.0])
+    d.save(tmp_path / "dr", meta={"note": "test"})
+    back = Drafter.load(tmp_path / "dr", tgt)
+    hidden, anchor = _context(tgt, d, 7)
+    a, b = d.draft(hidden, anchor, gamma=4), back.draft(hidden, anchor, gamma=4)
+    assert torch.equal(a.tokens, b.tokens)
+    assert torch.allclose(a.probs, b.probs, atol=1e-6)
+    assert torch.allclose(a.confidence, b.confidence, atol=1e-6)  # STS travelled too
+    with pytest.raises(ValueError, match="hidden_size"):
+        Drafter.load(tmp_path / "dr", _target(hidden_size=32))
+    with pytest.raises(ValueError, match="num_layers"):
+        Drafter.load(tmp_path / "dr", _target(num_layers=3))
+
+
+def test_accept_rules_and_ece() -> None:
+    v = 4
+    logits = torch.full((3, v), -10.0)
+    logits[0, 1] = logits[1, 2] = logits[2, 3] = 10.0
+    q = torch.full((2, v), 0.25)
+    gen = torch.Generator().manual_seed(0)
+    assert _accept(logits, torch.tensor([1, 2]), q, 0.0, gen) == (2, 3)
+    assert _accept(logits, torch.tensor([1, 0]), q, 0.0, gen) == (1, 2)
+    # p puts ~all mass on the drafted token: min(1, p/q) = 1 -> always accepted
+    c, _ = _accept(logits, torch.tensor([1, 2]), q, 1.0, gen)
+    assert c == 2
+    # hand-computed ECE: two bins
+    pred = np.array([0.1, 0.1, 0.9, 0.9])
+    lab = np.array([0, 1, 1, 1])
+    assert math.isclose(ece_parity(pred, lab), (2 * 0.4 + 2 * 0.1) / 4)
+
+
+# -- the shipped checkpoint with the real SmolLM2 --------------------------------------------
+
+
+def test_shipped_checkpoint_drafts_for_smollm2() -> None:
+    from dspark_obs.engine.weights import (
+        ModelFetchError,
+        encode_chat,
+        fetch_model,
+        load_smollm2,
+        stop_token_ids,
+    )
+    from dspark_obs.workloads import load_prompts
+
+    try:
+        path = fetch_model(progress=False)
+    except ModelFetchError as exc:
+        pytest.skip(f"SmolLM2 GGUF unavailable: {exc}")
+    target, tok = load_smollm2(path=path)
+    drafter = Drafter.load(SHIPPED, target)
+    assert drafter.hidden_layers == (2, 15, 27)
+    prompts = [encode_chat(tok, p.messages) for p in load_prompts("math", "eval", 3, 0)]
+    stats = speculative_run(
+        target, drafter, prompts, gamma=5, temperature=0.0, max_new_tokens=48,
+        eos_ids=stop_token_ids(tok),
+    )  # fmt: skip
+    summary = stats.summary()
+    assert summary["mean_accept_length"] > 1.5, summary
+    # greedy speculative decoding must reproduce plain greedy decoding exactly
+    cache = target.new_cache(len(prompts[0]) + 64)
+    out = target.forward([torch.tensor(prompts[0])], [cache])
+    ref: list[int] = []
+    for _ in range(len(stats.outputs[0])):
+        t = int(out.logits[0][-1].argmax())
+        ref.append(t)
+        out = target.forward([torch.tensor([t])], [cache])
+    assert stats.outputs[0] == ref
