@@ -200,6 +200,90 @@ def profile_command(
     typer.echo(str(out))
 
 
+def train_drafter_command(
+    out_dir: Annotated[
+        Path, typer.Option(help="Checkpoints, generated data and the export.")
+    ] = Path("out/drafter"),
+    prompts_per_workload: Annotated[int, typer.Option(help="Train prompts per workload.")] = 1000,
+    steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 2000,
+    batch_size: Annotated[int, typer.Option(help="Sequences per step.")] = 32,
+    lr: Annotated[float, typer.Option(help="Peak learning rate.")] = 5e-4,
+    gamma: Annotated[
+        int, typer.Option(help="Block size trained (the drafter serves any <= it).")
+    ] = 7,
+    max_new_tokens: Annotated[int, typer.Option(help="Target response length for the data.")] = 256,
+    time_budget: Annotated[
+        float | None, typer.Option(help="Stop (checkpointed) after seconds.")
+    ] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue from the last checkpoint.")
+    ] = False,
+    device: Annotated[str, typer.Option(help="cpu (smoke runs) | cuda (the real run).")] = "cpu",
+    seed: Annotated[int, typer.Option(help="Data and init seed.")] = 0,
+) -> None:
+    """Train a DSpark drafter for SmolLM2-135M on target-generated responses (DSpark loss)."""
+    import torch
+
+    from dspark_obs.engine.train import train_drafter
+    from dspark_obs.engine.weights import load_smollm2, stop_token_ids
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    target, tok = load_smollm2(device=device, dtype=dtype)
+    res = train_drafter(
+        target,
+        tok,
+        out_dir=out_dir,
+        prompts_per_workload=prompts_per_workload,
+        gamma=gamma,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        resume=resume,
+        device=device,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+        time_budget_s=time_budget,
+        eos_ids=stop_token_ids(tok),
+        log=lambda m: typer.echo(m, err=True),
+    )
+    typer.echo(str(res.export_dir))
+
+
+def eval_drafter_command(
+    drafter: Annotated[Path, typer.Option(help="Drafter checkpoint dir.")] = Path(
+        "runtime/drafter"
+    ),
+    n: Annotated[int, typer.Option(help="EVAL prompts per workload.")] = 8,
+    gamma: Annotated[int, typer.Option(help="Block size.")] = 5,
+    temperatures: Annotated[str, typer.Option(help="Comma list; 0 = greedy.")] = "0,1",
+    max_new_tokens: Annotated[int, typer.Option(help="Per prompt.")] = 128,
+    device: Annotated[str, typer.Option(help="cpu | cuda.")] = "cpu",
+    out: Annotated[Path | None, typer.Option(help="Write the JSON summary here.")] = None,
+) -> None:
+    """Full-block accept length, conditional acceptance and raw ECE per position (model card)."""
+    from dspark_obs.engine.drafter_eval import main as eval_main
+
+    argv = [
+        "--drafter",
+        str(drafter),
+        "--n",
+        str(n),
+        "--gamma",
+        str(gamma),
+        "--temperatures",
+        temperatures,
+        "--max-new-tokens",
+        str(max_new_tokens),
+        "--device",
+        device,
+    ]
+    if out is not None:
+        argv += ["--out", str(out)]
+    eval_main(argv)
+
+
 def register(app: typer.Typer) -> None:
     app.command("run")(run_command)
     app.command("profile")(profile_command)
+    app.command("train-drafter")(train_drafter_command)
+    app.command("eval-drafter")(eval_drafter_command)

