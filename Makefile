@@ -2,6 +2,7 @@
 PY ?= python3
 PIP = $(PY) -m pip install -q --disable-pip-version-check
 STORE ?= store
+RUN := demo-$(shell date +%Y%m%d-%H%M%S)
 
 .PHONY: install demo test lint bench
 
@@ -12,9 +13,10 @@ install:
 # Runs a mixed workload on SmolLM2-135M with the shipped drafter: a compact run plus its
 # cap-accept companion, then the per-workload report (windows, ceiling, estimator, ECE).
 demo: install
-	dspark-obs fetch-model
-	dspark-obs run --workload mixed --requests 24 --mode compact --companion --store $(STORE) --run-id demo
-	dspark-obs report demo --store $(STORE) --out out/demo
+	$(PY) -m dspark_obs fetch-model
+	$(PY) -m dspark_obs run --workload mixed --requests 12 --max-new-tokens 96 --mode compact \
+		--companion --store $(STORE) --run-id $(RUN)
+	$(PY) -m dspark_obs report $(RUN) --store $(STORE) --out out/demo
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider
@@ -25,3 +27,4 @@ lint:
 bench: install
 	$(PY) bench/bench_ingest.py
 	$(PY) bench/bench_engine.py
+	$(PY) bench/bench_estimator.py
