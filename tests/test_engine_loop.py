@@ -135,6 +135,7 @@ def test_compact_processes_sum_of_verify_len_tokens() -> None:
     target, drafter = _models(3)
     reqs = _requests(5, seed=3)
     res, sink = _run(target, drafter, "compact", reqs, 4, _trimming_table())
+    assert res.committed_tokens == sum(len(o) for o in res.outputs.values())
     rs = sink.table("req_steps").to_pandas()
     steps = sink.table("steps").to_pandas()
     prompts = sum(len(r.prompt_ids) for r in reqs)

@@ -208,35 +208,32 @@ class Engine:
         tokens_before = self.target.tokens_processed
         t_start = time.perf_counter()
         fct = 0
+
+        def finish(live: _Live, reason: str) -> None:
+            buf["requests"].append(self._request_row(live, run_id, reason))
+            result.outputs[live.req.rid] = live.output
+            result.requests += 1
+            if progress:
+                progress(1)
+
         with torch.inference_mode():
             while waiting or running:
                 while waiting and waiting[0].arrival_step <= fct and len(running) < cfg.max_batch:
                     live = self._admit(waiting.pop(0))
-                    if self._finished_at_prefill(live):
-                        buf["requests"].append(
-                            self._request_row(
-                                live, run_id, "stop" if live.anchor in self.stop_ids else "length"
-                            )
-                        )
-                        result.outputs[live.req.rid] = live.output
-                        result.committed_tokens += len(live.output)
-                        result.requests += 1
-                        if progress:
-                            progress(1)
+                    result.committed_tokens += 1  # the first token comes from the prefill
+                    if live.anchor in self.stop_ids:
+                        finish(live, "stop")
+                    elif live.req.max_new_tokens == 1:
+                        finish(live, "length")
                     else:
                         running.append(live)
-                if not running:
+                if not running:  # idle until the next arrival
                     fct = max(fct + 1, waiting[0].arrival_step) if waiting else fct + 1
                     continue
-                done = self._step(running, fct, run_id, buf, result)
-                result.steps += 1
-                for live, reason in done:
+                for live, reason in self._step(running, fct, run_id, buf, result):
                     running.remove(live)
-                    buf["requests"].append(self._request_row(live, run_id, reason))
-                    result.outputs[live.req.rid] = live.output
-                    result.requests += 1
-                if progress and done:
-                    progress(len(done))
+                    finish(live, reason)
+                result.steps += 1
                 fct += 1
                 if result.steps % cfg.flush_every == 0:
                     self._flush(emit, buf)
@@ -303,9 +300,6 @@ class Engine:
             arrival_time=arrival,
             first_token_time=time.time(),
         )
-
-    def _finished_at_prefill(self, live: _Live) -> bool:
-        return live.req.max_new_tokens == 1 or live.anchor in self.stop_ids
 
     @staticmethod
     def _sample(logits: torch.Tensor, req: GenRequest, gen: torch.Generator) -> int:
