@@ -21,6 +21,7 @@ from dspark_obs.analytics import (
     validate_estimator,
 )
 from dspark_obs.analytics._frames import bootstrap_indices
+from dspark_obs.analytics.estimator import chain_survival, sample_ceilings
 from dspark_obs.analytics.synthetic import simulate_pair
 
 # ---------------------------------------------------------------- SGLang's recorder, re-read
@@ -408,6 +409,91 @@ def test_validation_and_coverage_under_sampling():
     # validation also takes the cap-accept req_steps directly
     v2 = validate_estimator(est, sim.cap_req_steps)
     assert set(v2["workload"]) == {"math", "chat", "poetry"}
+
+
+# ---------------------------------------------------------------- predictive interval
+
+
+def _one_block_two_offsets() -> pd.DataFrame:
+    """One censored block, w=2 of gamma=4, both trimmed offsets resolved with a = 0.5."""
+    half = math.log(0.5)
+    line = {
+        "rid": "a",
+        "fct": 1,
+        "w": 2,
+        "cl": 2,
+        "ct": 0,
+        "trimmed_tokens": [7, 8],
+        "q_lp": [0.0, 0.0],
+        "pg": [[1, 3, half, 7, 7], [1, 4, half, 8, 8]],
+    }
+    frame, errors = parse_estimator_lines([json.dumps(line)], gamma=4)
+    assert errors == []
+    return estimate_blocks(frame).blocks
+
+
+def test_chain_of_one_block_realizes_by_hand():
+    b = _one_block_two_offsets()
+    blk = b.iloc[0]
+    assert blk.category == "resolved" and blk.committed == 3.0
+    assert list(blk.chain_p) == pytest.approx([0.5, 0.5])
+    assert blk.point == pytest.approx(3.0 + 0.5 + 0.25)  # point is the chain's expectation
+    draws = sample_ceilings(b["committed"].to_numpy(), b["chain_p"], np.random.default_rng(0), 200_000)
+    values, counts = np.unique(draws, return_counts=True)
+    assert values.tolist() == [3.0, 4.0, 5.0]
+    assert counts / draws.size == pytest.approx([0.5, 0.25, 0.25], abs=0.005)
+    assert draws.mean() == pytest.approx(blk.point, abs=0.01)
+    # one request, one block: point_ci collapses, pred_ci spans the realizations
+    s = summarize_blocks(b, by=(), n_boot=400, seed=1).iloc[0]
+    assert s.point_ci_lo == s.point_ci_hi == pytest.approx(3.75)
+    assert (s.pred_ci_lo, s.pred_ci_hi) == (3.0, 5.0)
+    # exact blocks have empty chains and realize to what they committed
+    assert chain_survival([[], [1.0, 0.0, 0.7]]).tolist() == [[0.0, 0.0, 0.0], [1.0, 0.0, 0.0]]
+
+
+def test_point_is_the_expectation_of_the_chain():
+    sim = simulate_pair(n_requests=12, seed=3, temperature=1.0, shared_draws=True)
+    for tail in ("empirical", "confidence", "none"):
+        b = estimate_blocks(sim.compact_req_steps, sim.compact_requests, tail=tail).blocks
+        expect = b["committed"] + chain_survival(b["chain_p"]).sum(axis=1)
+        assert np.allclose(expect, b["point"], atol=1e-9)
+        assert (b.loc[b.category == "exact_in_window", "chain_p"].map(len) == 0).all()
+
+
+def test_predictive_interval_reduces_to_request_bootstrap_under_greedy():
+    sim = simulate_pair(n_requests=24, seed=1, temperature=0.0)
+    b = estimate_blocks(sim.compact_req_steps, sim.compact_requests, tail="none").blocks
+    probs = np.concatenate([np.asarray(c, dtype=np.float64) for c in b["chain_p"]])
+    assert np.isin(probs, (0.0, 1.0)).all()  # greedy: a_k is 0 or 1
+    s = summarize_blocks(b, n_boot=150, seed=4)
+    assert np.allclose(s["pred_ci_lo"], s["point_ci_lo"], atol=1e-12)
+    assert np.allclose(s["pred_ci_hi"], s["point_ci_hi"], atol=1e-12)
+    # without chains (e.g. an older blocks frame) there is no predictive interval
+    old = summarize_blocks(b.drop(columns="chain_p"), n_boot=50)
+    assert old["pred_ci_lo"].isna().all() and old["point_ci_lo"].notna().all()
+
+
+def test_predictive_interval_covers_realized_companion_truth():
+    """Over seeded small sampled replicates (companion consuming the same draws, as the
+    engine's does), pred_ci holds the realized truth near the nominal 95%."""
+    vals = []
+    for seed in range(60):
+        sim = simulate_pair(
+            n_requests=12, seed=seed, temperature=1.0, max_new_tokens=24, shared_draws=True
+        )
+        comp = pair_companion(sim.compact_req_steps, sim.cap_req_steps)
+        est = estimate_blocks(sim.compact_req_steps, sim.compact_requests)
+        vals.append(validate_estimator(est, comp, n_boot=100, seed=seed))
+    v = pd.concat(vals)
+    assert {"pred_ci_lo", "pred_ci_hi", "pred_interval_covers"} <= set(v.columns)
+    cov = coverage(vals, by=())
+    pred, point = cov["pred_interval_coverage"].iloc[0], cov["interval_coverage"].iloc[0]
+    assert 0.88 <= pred <= 0.99, cov.to_dict("records")
+    assert pred >= point
+    assert cov["pred_ci_width"].iloc[0] >= cov["point_ci_width"].iloc[0]
+    # the predictive interval is centred like point_ci: it only adds realization noise
+    mid_pred = 0.5 * (v.pred_ci_lo + v.pred_ci_hi)
+    assert (mid_pred - v.mean_point).abs().mean() < 0.25 * (v.pred_ci_hi - v.pred_ci_lo).mean()
 
 
 # ---------------------------------------------------------------- JSONL errors and problems

@@ -107,6 +107,8 @@ def test_cap_accept_commits_what_compact_commits_and_exposes_the_ceiling() -> No
     assert len(c) == len(k)
     for col in ("rid", "verify_len", "acc_len", "correct_drafts", "bonus_token"):
         assert c[col].tolist() == k[col].tolist(), col
+    # cap-accept verifies the window first: the drafter saw bitwise the same features.
+    assert [list(x) for x in c.confidence] == [list(x) for x in k.confidence]
     # The scheduler really trimmed, and trimming really hid accepted drafts.
     assert (c.verify_len < 6).mean() > 0.3
     assert k.cap_trim.sum() > 0

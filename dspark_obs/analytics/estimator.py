@@ -64,7 +64,14 @@ Beyond SGLang:
   c_j (empirical per workload and position from the run's own censoring-aware labels, or
   the head's own confidences, optionally re-scaled by STS temperatures), times P; eos and
   resolved blocks get no fill. Outside cut final steps it lies within [lo, hi].
-* a bootstrap interval over requests for the mean (seeded, percentile).
+* a bootstrap interval over requests for the mean (seeded, percentile): ``point_ci``, an
+  interval for the *expected* mean ceiling.
+* ``chain_p`` per block: the conditional acceptance probabilities of the offsets after
+  the committed base (resolved a_k, then the tail-fill rates; empty for exact blocks,
+  nothing after EOS), so the realized ceiling is committed + number of leading accepted
+  offsets and ``point`` is its expectation. ``pred_ci`` resamples requests *and* realizes
+  every chain (seeded Monte Carlo): a predictive interval for the *realized* mean ceiling,
+  which is what a cap-accept companion measures (each of its trims was a coin flip).
 """
 
 from __future__ import annotations
@@ -82,6 +89,7 @@ import pandas as pd
 from dspark_obs.analytics._frames import (
     FrameLike,
     as_frame,
+    bootstrap_indices,
     bootstrap_weights,
     column,
     is_missing,
@@ -119,6 +127,7 @@ BLOCK_COLUMNS = (
     "greedy_hi",
     "greedy_ceiling",
     "greedy_exact",
+    "chain_p",
 )
 
 
@@ -330,6 +339,9 @@ def estimate_blocks(
     frame of :func:`read_estimator_jsonl`. EOS: a boolean ``eos_end`` column when present
     (JSONL), else ``requests.finish_reason == "stop"`` marks a request's still-pending blocks.
     ``tail``: "empirical" | "confidence" | "none" (what fills unresolved offsets of point).
+    ``chain_p`` (per block): conditional acceptance probabilities of offsets after the
+    committed base, resolved a_k then tail-fill rates; point = committed + sum of their
+    running products, a realization = committed + leading accepted (see pred_ci).
     """
     if tail not in ("empirical", "confidence", "none"):
         raise ValueError(f"tail must be 'empirical', 'confidence' or 'none', got {tail!r}")
@@ -409,6 +421,7 @@ def estimate_blocks(
         )
     }
     category = np.empty(n, dtype=object)
+    chain: list[list[float]] = [[] for _ in range(n)]
     n_res = np.zeros(n, dtype=np.int64)
     last_k = np.zeros(n, dtype=np.int64)
     censored = np.zeros(n, dtype=bool)
@@ -441,6 +454,7 @@ def estimate_blocks(
             )
             trimmed, q, ents = None, None, []
         prod, extra, k_last, matched, diverged = 1.0, 0.0, w, 0, False
+        probs: list[float] = []
         for k, lp, dtok, rtok in ents:
             if k != k_last + 1:
                 hint = (
@@ -460,6 +474,7 @@ def estimate_blocks(
                     f"!= trimmed token {trimmed[k - w - 1]}"
                 )
             a = min(1.0, math.exp(lp - float(q[k - w - 1])))
+            probs.append(a)
             prod *= a
             extra += prod
             k_last = k
@@ -504,7 +519,10 @@ def estimate_blocks(
                 cand = wl[k_last + 1 : g + 1] if wl is not None else np.full(g - k_last, np.nan)
                 rates = np.where(np.isnan(cand), pooled[k_last + 1 : g + 1], cand)
                 rates = np.nan_to_num(rates, nan=0.0)
-            fill = prod * float(np.cumprod(np.clip(rates, 0.0, 1.0)).sum())
+            rates = np.clip(rates, 0.0, 1.0)
+            fill = prod * float(np.cumprod(rates).sum())
+            probs.extend(float(x) for x in rates)
+        chain[i] = probs
         out["tail_fill"][i] = fill
         out["point"][i] = committed[i] + extra + fill
 
@@ -538,6 +556,7 @@ def estimate_blocks(
             "greedy_hi": out["greedy_hi"],
             "greedy_ceiling": out["greedy_ceiling"],
             "greedy_exact": exact,
+            "chain_p": chain,
         },
         columns=list(BLOCK_COLUMNS),
     )
@@ -579,6 +598,8 @@ SUMMARY_COLUMNS = (
     "mean_point",
     "point_ci_lo",
     "point_ci_hi",
+    "pred_ci_lo",
+    "pred_ci_hi",
     "bracket_ci_lo",
     "bracket_ci_hi",
     "greedy_exact_share",
@@ -586,6 +607,85 @@ SUMMARY_COLUMNS = (
     "greedy_mean_lo",
     "greedy_mean_hi",
 )
+
+
+def chain_survival(chain_p: Sequence[Any] | pd.Series, width: int | None = None) -> np.ndarray:
+    """Survival matrix [blocks, offsets]: S_j = prod_{i<=j} chain_p_i (0 past a chain's end).
+
+    S_j = P(realized ceiling >= committed + j) of each block's acceptance chain.
+    """
+    values = list(chain_p)
+    if width is None:
+        width = max((len(v) for v in values if not is_missing(v)), default=0)
+    p = np.clip(np.nan_to_num(list_matrix(values, width), nan=0.0), 0.0, 1.0)
+    return np.cumprod(p, axis=1)
+
+
+def draw_leading(surv: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Leading accepted offsets per block for uniforms ``u`` in [0, 1): L = #{j: u < S_j}.
+
+    S is non-increasing along a row, so P(L >= j) = S_j: one uniform per block realizes the
+    whole chain (offset j accepted with prob a_j given every earlier offset was).
+    """
+    s = np.asarray(surv, dtype=np.float64)
+    u = np.asarray(u, dtype=np.float64)
+    out = np.zeros(u.shape, dtype=np.int64)
+    for j in range(s.shape[-1]):
+        out += u < s[..., j]
+    return out
+
+
+def sample_ceilings(
+    committed: np.ndarray | Sequence[float],
+    chain_p: Sequence[Any] | pd.Series,
+    rng: np.random.Generator,
+    size: int | None = None,
+) -> np.ndarray:
+    """Draw realized ceilings committed + L per block: [blocks], or [size, blocks] draws.
+
+    Same convention as ``point`` (DESIGN: acc_len + cap_trim), whose value is their mean.
+    """
+    base = np.asarray(committed, dtype=np.float64)
+    surv = chain_survival(chain_p)
+    shape = base.shape if size is None else (int(size), *base.shape)
+    return base + draw_leading(surv, rng.random(shape))
+
+
+def _predictive_means(
+    codes: np.ndarray,
+    n_req: int,
+    committed: np.ndarray,
+    surv: np.ndarray,
+    n_boot: int,
+    seed: int,
+) -> np.ndarray:
+    """Mean realized ceiling per bootstrap draw: requests resampled (the same draws as
+    point_ci's), then every block of the resample realizes its chain independently."""
+    idx = bootstrap_indices(n_req, n_boot, seed)
+    wts = bootstrap_weights(n_req, n_boot, seed)
+    rand = ((surv > 0.0) & (surv < 1.0)).any(axis=1)
+    det = np.where(rand, 0.0, (surv >= 1.0).sum(axis=1))  # 0/1 chains: L is known
+    total = wts @ np.bincount(codes, weights=committed + det, minlength=n_req)
+    count = wts @ np.bincount(codes, minlength=n_req)
+    if rand.any():
+        ri = np.flatnonzero(rand)
+        order = ri[np.argsort(codes[ri], kind="stable")]
+        rs = surv[order]
+        rc = np.bincount(codes[order], minlength=n_req)
+        start = np.cumsum(rc) - rc
+        flat = idx.ravel()
+        reps = rc[flat]
+        m = int(reps.sum())
+        first = np.repeat(np.cumsum(reps) - reps, reps)  # where each request's run begins
+        pos = np.repeat(start[flat], reps) + (np.arange(m) - first)
+        draw = np.repeat(np.arange(n_boot), reps.reshape(n_boot, n_req).sum(axis=1))
+        rng = np.random.default_rng(np.random.SeedSequence([int(seed), 0x9E3779B9]))
+        u = rng.random(m)
+        lead = np.zeros(m, dtype=np.int64)
+        for j in range(rs.shape[1]):
+            lead += u < rs[pos, j]
+        total = total + np.bincount(draw, weights=lead, minlength=n_boot)
+    return total / count
 
 
 def summarize_blocks(
@@ -597,9 +697,15 @@ def summarize_blocks(
 ) -> pd.DataFrame:
     """Means over blocks per group, with bootstrap intervals that resample whole requests.
 
-    point_ci: percentile interval of the mean point estimate. bracket_ci: lower percentile
-    of mean lo to upper percentile of mean hi (covers sampling noise and the bracket's
-    width together). greedy_mean is the mean exact ceiling, NaN unless every block is exact.
+    point_ci: percentile interval of the mean point estimate, i.e. of the *expected* mean
+    ceiling (request sampling noise only). pred_ci: predictive percentile interval of the
+    *realized* mean ceiling, what a cap-accept companion measures: each bootstrap draw
+    resamples requests as point_ci does and then realizes every block's acceptance chain
+    (``chain_p``) once, so it adds the Bernoulli noise of the accept coin flips; it equals
+    point_ci where every chain is 0/1 (greedy, exact blocks) and is NaN without ``chain_p``.
+    bracket_ci: lower percentile of mean lo to upper percentile of mean hi (covers sampling
+    noise and the bracket's width together). greedy_mean is the mean exact ceiling, NaN
+    unless every block is exact.
     """
     by = list(by)
     rows = []
@@ -632,12 +738,22 @@ def summarize_blocks(
                 for name in ("point", "lo", "hi")
             }
             row["point_ci_lo"], row["point_ci_hi"] = quantile_interval(means["point"], level)
+            row["pred_ci_lo"] = row["pred_ci_hi"] = float("nan")
+            if "chain_p" in g.columns:
+                pred = _predictive_means(
+                    codes,
+                    uniq.size,
+                    g["committed"].to_numpy(dtype=np.float64),
+                    chain_survival(g["chain_p"]),
+                    n_boot,
+                    seed,
+                )
+                row["pred_ci_lo"], row["pred_ci_hi"] = quantile_interval(pred, level)
             row["bracket_ci_lo"] = quantile_interval(means["lo"], level)[0]
             row["bracket_ci_hi"] = quantile_interval(means["hi"], level)[1]
         else:
-            row["point_ci_lo"] = row["point_ci_hi"] = row["bracket_ci_lo"] = row[
-                "bracket_ci_hi"
-            ] = float("nan")
+            for c in ("point_ci", "pred_ci", "bracket_ci"):
+                row[f"{c}_lo"] = row[f"{c}_hi"] = float("nan")
         ex = g["greedy_exact"].to_numpy(dtype=bool)
         row["greedy_exact_share"] = float(ex.mean())
         row["greedy_mean"] = float(g["greedy_ceiling"].mean()) if ex.all() else float("nan")
@@ -928,7 +1044,9 @@ def validate_estimator(
     and its uncut twin (correct_drafts + 1 + cap_trim), mean lo/mid/hi, point, errors, and
     whether bracket and intervals contain the truth. The bracket (SGLang's) is judged
     against the uncut truth, point / interval / greedy against DESIGN's; they differ only
-    on requests' cut final steps.
+    on requests' cut final steps. ``interval_covers`` judges point_ci (an interval for the
+    expected mean ceiling), ``pred_interval_covers`` judges pred_ci (a predictive interval
+    for the realized mean ceiling, which is what the companion measured).
     """
     by = list(by)
     if isinstance(estimate, BlockEstimate):
@@ -969,11 +1087,13 @@ def validate_estimator(
         "mean_point",
         "point_ci_lo",
         "point_ci_hi",
+        "pred_ci_lo",
+        "pred_ci_hi",
         "bracket_ci_lo",
         "bracket_ci_hi",
         "greedy_mean",
     ):
-        out[c] = m[c]
+        out[c] = m[c] if c in m.columns else float("nan")
     # SGLang's bracket lives in the uncut convention; point and greedy in DESIGN's
     out["inside_bracket"] = (m["mean_lo"] - tol <= uncut) & (uncut <= m["mean_hi"] + tol)
     out["bracket_interval_covers"] = (m["bracket_ci_lo"] - tol <= uncut) & (
@@ -986,6 +1106,9 @@ def validate_estimator(
     out["interval_covers"] = (m["point_ci_lo"] - tol <= truth_v) & (
         truth_v <= m["point_ci_hi"] + tol
     )
+    out["pred_interval_covers"] = (out["pred_ci_lo"] - tol <= truth_v) & (
+        truth_v <= out["pred_ci_hi"] + tol
+    )
     out["greedy_err"] = m["greedy_mean"] - truth_v
     return out
 
@@ -993,9 +1116,19 @@ def validate_estimator(
 def coverage(
     validations: Sequence[pd.DataFrame], by: Sequence[str] = ("workload",)
 ) -> pd.DataFrame:
-    """Over replicate validations (e.g. seeds): how often bracket / intervals held the truth."""
+    """Over replicate validations (e.g. seeds): how often bracket / intervals held the truth.
+
+    interval_coverage: point_ci (expected mean); pred_interval_coverage: pred_ci (realized
+    mean, the one to hold to the nominal level against a companion); mean widths of both.
+    """
     by = list(by)
     allv = pd.concat([v.assign(_rep=i) for i, v in enumerate(validations)], ignore_index=True)
+    for c in ("pred_ci_lo", "pred_ci_hi", "pred_interval_covers"):
+        if c not in allv.columns:
+            allv[c] = np.nan
+    allv["_point_w"] = allv["point_ci_hi"] - allv["point_ci_lo"]
+    allv["_pred_w"] = allv["pred_ci_hi"] - allv["pred_ci_lo"]
+    allv["pred_interval_covers"] = allv["pred_interval_covers"].astype(np.float64)
     if not by:
         allv["_all"] = "all"
     keys = by or ["_all"]
@@ -1005,7 +1138,10 @@ def coverage(
             replicates=("_rep", "nunique"),
             inside_bracket_rate=("inside_bracket", "mean"),
             interval_coverage=("interval_covers", "mean"),
+            pred_interval_coverage=("pred_interval_covers", "mean"),
             bracket_interval_coverage=("bracket_interval_covers", "mean"),
+            point_ci_width=("_point_w", "mean"),
+            pred_ci_width=("_pred_w", "mean"),
             mean_abs_err=("point_abs_err", "mean"),
             mean_pct_err=("point_pct_err", "mean"),
         )

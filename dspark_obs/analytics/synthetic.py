@@ -14,6 +14,7 @@ rendered as SGLang's estimator JSONL.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,6 +44,12 @@ class SimConfig:
     sharpness: float = 2.5
     workloads: tuple[str, ...] = ("math", "chat", "poetry")
     seed: int = 0
+    # True: like the embedded engine, every mode consumes the same gamma + 1 uniforms per step
+    # (coins, then one for the bonus) and cap-accept commits what compact commits (a capped
+    # step's bonus comes from the target at the window's row), so both runs follow the same
+    # tokens also under sampling and differ only in the coin flips of trimmed drafts.
+    # False (default): cap-accept draws its own coins and bonuses, paths may diverge.
+    shared_draws: bool = False
 
 
 @dataclass
@@ -150,6 +157,11 @@ def _step(req: _Request, cfg: SimConfig, world: _World, full_verify: bool) -> di
         z = 2.0 * np.log(p1 / (1.0 - p1)) + 0.6 + 0.4 * req.conf_rng.normal()
         conf.append(float(1.0 / (1.0 + np.exp(-z))))
 
+    if cfg.shared_draws and t > 0.0:
+        cl, cap_trim, bonus = _shared_accept(req, cfg, world, drafts, ctx, prefix_len, w)
+        return _finish_step(
+            req, cfg, world, drafts, ctx, prefix_len, verify_len, cl, cap_trim, bonus, q_lp, conf
+        )
     limit = g if full_verify else w
     correct = 0
     bonus = None
@@ -177,6 +189,58 @@ def _step(req: _Request, cfg: SimConfig, world: _World, full_verify: bool) -> di
         bonus = drafts[cl]
     elif bonus is None:  # every verified draft accepted: the bonus comes from the target
         bonus = world.pick(world.target, ctx(cl), prefix_len + cl, req.rng)
+    return _finish_step(
+        req, cfg, world, drafts, ctx, prefix_len, verify_len, cl, cap_trim, bonus, q_lp, conf
+    )
+
+
+def _shared_accept(
+    req: _Request,
+    cfg: SimConfig,
+    world: _World,
+    drafts: list[int],
+    ctx: Callable[[int], tuple[int, int]],
+    prefix_len: int,
+    w: int,
+) -> tuple[int, int, int]:
+    """(correct_drafts, cap_trim, bonus) from gamma + 1 uniforms, the same in every mode."""
+    g = cfg.gamma
+    u = req.rng.random(g + 1)
+    correct = 0
+    while correct < g:
+        c, pos = ctx(correct), prefix_len + correct
+        d = drafts[correct]
+        p, q = world.probs(world.target, c, pos), world.probs(req.draft_table, c, pos)
+        if not u[correct] * q[d] < p[d]:
+            break
+        correct += 1
+    cl = min(correct, w)
+    p = world.probs(world.target, ctx(cl), prefix_len + cl)
+    weights = p
+    if correct < w:  # rejected inside the window: residual; else the target (compact's view)
+        resid = np.maximum(p - world.probs(req.draft_table, ctx(cl), prefix_len + cl), 0.0)
+        weights = resid if resid.sum() > 0 else p
+    cdf = np.cumsum(weights / weights.sum())
+    bonus = int(min(np.searchsorted(cdf, u[g], side="right"), cdf.size - 1))
+    return cl, correct - cl, bonus
+
+
+def _finish_step(
+    req: _Request,
+    cfg: SimConfig,
+    world: _World,
+    drafts: list[int],
+    ctx: Callable[[int], tuple[int, int]],
+    prefix_len: int,
+    verify_len: int,
+    cl: int,
+    cap_trim: int,
+    bonus: int,
+    q_lp: list[float],
+    conf: list[float],
+) -> dict:
+    """Commit (EOS / length cut) and build the req-step row."""
+    t = cfg.temperature
     tokens = drafts[:cl] + [bonus]
     room = cfg.max_new_tokens - len(req.output)
     commit = tokens[:room]

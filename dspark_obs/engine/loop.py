@@ -343,12 +343,8 @@ class Engine:
             budget, verify_lens = self.scheduler.plan([r.req.rid for r in running], survival)
             decision = self.scheduler.last_decision
         send = verify_lens if cfg.mode == "compact" else np.full(bs, gamma + 1, dtype=np.int64)
-        tokens = [
-            torch.cat([torch.tensor([r.anchor]), draft_tokens[i, : send[i] - 1]])
-            for i, r in enumerate(running)
-        ]
         lengths_before = [r.cache.length for r in running]
-        out = self.target.forward(tokens, [r.cache for r in running], self.drafter.hidden_layers)
+        all_logits, hidden = self._verify(running, draft_tokens, verify_lens, send)
         t_verify = time.perf_counter()
 
         now = datetime.now(UTC)
@@ -358,7 +354,7 @@ class Engine:
             req = live.req
             w = int(verify_lens[i])
             n = int(send[i])
-            logits = out.logits[i]  # [n, vocab]
+            logits = all_logits[i]  # [n, vocab]
             drafts = draft_tokens[i, : n - 1]
             if live.greedy:
                 res = accept(
@@ -443,7 +439,7 @@ class Engine:
             # Keep anchor + accepted drafts in the caches; the bonus becomes the next anchor.
             keep = res.correct_drafts + 1
             live.cache.truncate(lengths_before[i] + keep)
-            live.new_hidden = out.hidden[i][:keep]
+            live.new_hidden = hidden[i][:keep]
             live.anchor = committed[-1]
 
         t_end = time.perf_counter()
@@ -478,6 +474,33 @@ class Engine:
         )
         buf["req_steps"].extend(rows)
         return done
+
+    def _verify(
+        self, running: list[_Live], drafts: torch.Tensor, verify_lens: np.ndarray, send: np.ndarray
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """One packed target forward over each request's ``send`` tokens: (logits, hidden).
+
+        cap-accept runs it as two forwards: first exactly the windows compact would send
+        (so everything committed, and the drafter features, are bitwise those of the compact
+        run, whatever the floating-point effects of a wider batch), then the trimmed drafts
+        on top of the same caches, which only serve to count ``cap_trim``.
+        """
+        caches = [r.cache for r in running]
+        head = verify_lens if self.cfg.mode == "cap-accept" else send
+        tokens = [
+            torch.cat([torch.tensor([r.anchor]), drafts[i, : head[i] - 1]])
+            for i, r in enumerate(running)
+        ]
+        out = self.target.forward(tokens, caches, self.drafter.hidden_layers)
+        logits = list(out.logits)
+        rest = [i for i in range(len(running)) if head[i] < send[i]]
+        if rest:
+            tail = self.target.forward(
+                [drafts[i, head[i] - 1 : send[i] - 1] for i in rest], [caches[i] for i in rest]
+            )
+            for j, i in enumerate(rest):
+                logits[i] = torch.cat([logits[i], tail.logits[j]])
+        return logits, out.hidden
 
     @property
     def _timed_device(self) -> bool:
