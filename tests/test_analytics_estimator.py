@@ -438,7 +438,8 @@ def test_chain_of_one_block_realizes_by_hand():
     assert blk.category == "resolved" and blk.committed == 3.0
     assert list(blk.chain_p) == pytest.approx([0.5, 0.5])
     assert blk.point == pytest.approx(3.0 + 0.5 + 0.25)  # point is the chain's expectation
-    draws = sample_ceilings(b["committed"].to_numpy(), b["chain_p"], np.random.default_rng(0), 200_000)
+    rng = np.random.default_rng(0)
+    draws = sample_ceilings(b["committed"].to_numpy(), b["chain_p"], rng, 200_000)
     values, counts = np.unique(draws, return_counts=True)
     assert values.tolist() == [3.0, 4.0, 5.0]
     assert counts / draws.size == pytest.approx([0.5, 0.25, 0.25], abs=0.005)
@@ -474,16 +475,16 @@ def test_predictive_interval_reduces_to_request_bootstrap_under_greedy():
 
 
 def test_predictive_interval_covers_realized_companion_truth():
-    """Over seeded small sampled replicates (companion consuming the same draws, as the
-    engine's does), pred_ci holds the realized truth near the nominal 95%."""
+    """Over seeded small sampled replicates (3 requests per workload; the companion consumes
+    the same draws, as the engine's does), pred_ci holds the realized truth near the nominal
+    95% where point_ci (expected mean only) falls short."""
     vals = []
     for seed in range(60):
         sim = simulate_pair(
-            n_requests=12, seed=seed, temperature=1.0, max_new_tokens=24, shared_draws=True
+            n_requests=9, seed=seed, temperature=1.0, max_new_tokens=32, shared_draws=True
         )
-        comp = pair_companion(sim.compact_req_steps, sim.cap_req_steps)
         est = estimate_blocks(sim.compact_req_steps, sim.compact_requests)
-        vals.append(validate_estimator(est, comp, n_boot=100, seed=seed))
+        vals.append(validate_estimator(est, sim.cap_req_steps, n_boot=100, seed=seed))
     v = pd.concat(vals)
     assert {"pred_ci_lo", "pred_ci_hi", "pred_interval_covers"} <= set(v.columns)
     cov = coverage(vals, by=())

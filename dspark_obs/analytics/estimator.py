@@ -270,6 +270,8 @@ class BlockEstimate:
         seed: int = 0,
         level: float = 0.95,
     ) -> pd.DataFrame:
+        """:func:`summarize_blocks` of these blocks: point_ci bounds the expected mean
+        ceiling, pred_ci the realized one (what a cap-accept companion measures)."""
         return summarize_blocks(self.blocks, by=by, n_boot=n_boot, seed=seed, level=level)
 
 

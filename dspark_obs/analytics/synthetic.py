@@ -158,9 +158,9 @@ def _step(req: _Request, cfg: SimConfig, world: _World, full_verify: bool) -> di
         conf.append(float(1.0 / (1.0 + np.exp(-z))))
 
     if cfg.shared_draws and t > 0.0:
-        cl, cap_trim, bonus = _shared_accept(req, cfg, world, drafts, ctx, prefix_len, w)
+        shared = _shared_accept(req, cfg, world, drafts, ctx, prefix_len, w)  # cl, trim, bonus
         return _finish_step(
-            req, cfg, world, drafts, ctx, prefix_len, verify_len, cl, cap_trim, bonus, q_lp, conf
+            req, cfg, world, drafts, ctx, prefix_len, verify_len, *shared, q_lp, conf
         )
     limit = g if full_verify else w
     correct = 0
