@@ -1,0 +1,1 @@
+"""Embedded DSpark runtime: target, drafter, acceptance, scheduler + cost tables, decode loop."""

@@ -1,0 +1,1 @@
+"""Launching SGLang DSpark servers and collecting what they emit; not built yet."""

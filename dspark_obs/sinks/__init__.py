@@ -1,0 +1,1 @@
+"""Prometheus and OpenTelemetry exporters (RecordSinks); not built yet."""
