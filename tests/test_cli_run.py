@@ -100,5 +100,13 @@ def test_bad_input_exits_2_and_writes_nothing(smollm2: Path, tmp_path: Path) -> 
     res = runner.invoke(app, ["run", "-n", "2", "--store", str(store), "--cost-table", str(bad)])
     assert res.exit_code == 2 and "bias_seconds" in res.output
 
+    sts = tmp_path / "sts.json"
+    sts.write_text(json.dumps({"temperatures": [1.0, 0.0, 1.0, 1.0, 1.0]}))
+    res = runner.invoke(app, ["run", "-n", "2", "--store", str(store), "--sts", str(sts)])
+    assert res.exit_code == 2 and "temperatures[1]" in res.output
+    assert not (store / "runs").exists() or Store(store).query(
+        "SELECT count(*) AS n FROM runs"
+    ).to_pylist() == [{"n": 0}]
+
     res = runner.invoke(app, ["report", "nope", "--store", str(store)])
     assert res.exit_code == 2 and "no run 'nope'" in res.output
