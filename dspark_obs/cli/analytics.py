@@ -145,40 +145,39 @@ def ingest_estimator_command(
     from dspark_obs.analytics import estimate_blocks, read_estimator_jsonl
 
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 132))
     if not path.is_file():
         raise _fail(f"{path}: no such file")
     frame, errors = read_estimator_jsonl(path, gamma=gamma)
     for err in errors[:20]:
-        console.print(f"[yellow]{path}:{err.line}: {err.reason} (skipped)[/yellow]")
+        console.print(f"{path}:{err.line}: {err.reason} (skipped)", style="yellow", markup=False)
     if len(errors) > 20:
-        console.print(f"[yellow]... {len(errors) - 20} more malformed lines skipped[/yellow]")
+        console.print(f"... {len(errors) - 20} more malformed lines skipped", style="yellow")
     if len(frame) == 0:
         raise _fail(f"{path}: no valid estimator line")
     est = estimate_blocks(frame, gamma=gamma)
     summary = est.summary(("workload",), n_boot=boot)
-    table = Table(
-        title=f"block-accept estimate: {path.name} ({len(frame)} steps, {len(errors)} bad lines)"
-    )
-    cols = [
-        "blocks",
-        "requests",
-        "censored_share",
-        "mean_committed",
-        "mean_lo",
-        "mean_mid",
-        "mean_hi",
-        "mean_point",
-        "point_ci_lo",
-        "point_ci_hi",
-    ]
+    title = f"block-accept estimate: {path.name} ({len(frame)} steps, {len(errors)} bad lines)"
+    table = Table(title=title)
+    cols = {
+        "blocks": "blocks",
+        "requests": "requests",
+        "censored_share": "censored",
+        "mean_committed": "committed",
+        "mean_lo": "lo",
+        "mean_mid": "mid",
+        "mean_hi": "hi",
+        "mean_point": "point",
+        "point_ci_lo": "ci lo",
+        "point_ci_hi": "ci hi",
+    }
     table.add_column("workload")
-    for c in cols:
-        table.add_column(c, justify="right")
-    for wl, row in summary.iterrows():
-        table.add_row(
-            str(row.get("workload", wl)),
-            *[f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in cols],
-        )
+    for header in cols.values():
+        table.add_column(header, justify="right")
+    for _, row in summary.iterrows():
+        cells = [f"{row[c]:.3f}" if isinstance(row[c], float) else str(row[c]) for c in cols]
+        table.add_row(str(row.get("workload", "")), *cells)
     console.print(table)
     if out is not None:
         est.blocks.to_parquet(out)
