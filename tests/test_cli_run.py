@@ -65,6 +65,16 @@ def test_run_with_companion_then_report_and_query(smollm2: Path, tmp_path: Path)
     assert all(0 < w["utilization"] <= 1 for w in report["workloads"])
     assert "## Per workload" in (out / "REPORT.md").read_text()
 
+    sts = tmp_path / "sts.json"
+    res = runner.invoke(
+        app,
+        ["fit-sts", "--run", "e2e", "--store", str(store), "--out", str(sts), "--heldout", "0.34"],
+    )
+    assert res.exit_code == 0, res.output
+    fitted = json.loads(sts.read_text())
+    assert len(fitted["temperatures"]) == 5 and all(t > 0 for t in fitted["temperatures"])
+    assert fitted["dataset"] == "run:e2e" and "held-out ECE" in res.output
+
     res = runner.invoke(app, ["query", "--store", str(store), "SELECT count(*) AS n FROM requests"])
     assert res.exit_code == 0 and "6" in res.output
 
