@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-StoreOpt = Annotated[
-    Path | None, typer.Option("--store", help="Store directory ($DSPARK_OBS_STORE, ./store).")
-]
-
-
-def _store_dir(store: Path | None) -> Path:
-    return store or Path(os.environ.get("DSPARK_OBS_STORE", "store"))
+from dspark_obs.cli.store import StoreOpt
 
 
 def _fail(message: str) -> typer.Exit:
@@ -43,7 +36,7 @@ def _run_tables(store: Path, run_id: str):
 
 def report_command(
     run_id: Annotated[str, typer.Argument(help="The run to report on (its companion is found).")],
-    store: StoreOpt = None,
+    store: StoreOpt = Path("store"),
     out: Annotated[
         Path | None, typer.Option(help="Write REPORT.json and REPORT.md under this dir.")
     ] = None,
@@ -57,7 +50,7 @@ def report_command(
     from dspark_obs.analytics import StsCalibration, build_report
     from dspark_obs.analytics.sts import StsFileError
 
-    runs, rs, rq, steps = _run_tables(_store_dir(store), run_id)
+    runs, rs, rq, steps = _run_tables(store, run_id)
     try:
         temps = StsCalibration.load(sts) if sts else None
     except StsFileError as exc:
@@ -82,7 +75,7 @@ def fit_sts_command(
     shards: Annotated[
         str | None, typer.Option(help="Or: SGLang STS shards glob (stem.*.pt).")
     ] = None,
-    store: StoreOpt = None,
+    store: StoreOpt = Path("store"),
     heldout: Annotated[
         float, typer.Option(help="Share of requests held out to judge the fit.")
     ] = 0.3,
@@ -112,7 +105,7 @@ def fit_sts_command(
                 f"after {cal.ece_after} (in-sample)"
             )
             return
-        runs, rs, _, _ = _run_tables(_store_dir(store), run_id)
+        runs, rs, _, _ = _run_tables(store, run_id)
         main = rs.filter(pc.equal(rs.column("run_id"), run_id))
         data = sts_data_from_req_steps(main, runs)
         res = fit_sts_heldout(data, heldout_frac=heldout, seed=seed)

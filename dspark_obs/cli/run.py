@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from dspark_obs.cli.store import StoreOpt
+
 WORKLOAD_CHOICES = ("math", "chat", "poetry", "mixed")
-
-
-def _default_store() -> Path:
-    return Path(os.environ.get("DSPARK_OBS_STORE", "store"))
 
 
 def run_command(
@@ -54,7 +51,7 @@ def run_command(
     drafter: Annotated[
         Path | None, typer.Option(help="Drafter checkpoint dir (default: runtime/drafter).")
     ] = None,
-    store: Annotated[Path, typer.Option(help="Store directory ($DSPARK_OBS_STORE).")] = None,  # type: ignore[assignment]
+    store: StoreOpt = Path("store"),
     run_id: Annotated[str | None, typer.Option(help="Run id (default: random).")] = None,
     device: Annotated[str, typer.Option(help="cpu | cuda.")] = "cpu",
 ) -> None:
@@ -75,7 +72,6 @@ def run_command(
     from dspark_obs.workloads import WorkloadFileError, load_traffic, mixed_traffic
 
     console = Console(stderr=True)
-    store = store or _default_store()
     try:
         if workload not in WORKLOAD_CHOICES:
             raise EngineError(
