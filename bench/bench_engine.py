@@ -25,12 +25,12 @@ from dspark_obs.workloads import mixed_traffic
 def no_spec(target, reqs: list[GenRequest], stop_ids: frozenset[int]) -> int:
     """Plain batched greedy decoding with the KV cache: one target token per request per step."""
     caches = [target.new_cache(len(r.prompt_ids) + r.max_new_tokens + 2) for r in reqs]
-    last, produced, live = [], [0] * len(reqs), list(range(len(reqs)))
+    last = []
     for r, c in zip(reqs, caches, strict=True):
         out = target.prefill(r.prompt_ids, c)
         last.append(int(torch.argmax(out.logits[0][-1])))
-    produced = [1] * len(reqs)
-    live = [i for i in live if last[i] not in stop_ids and reqs[i].max_new_tokens > 1]
+    produced = [1] * len(reqs)  # the prefill's token
+    live = [i for i, r in enumerate(reqs) if last[i] not in stop_ids and r.max_new_tokens > 1]
     while live:
         out = target.forward([torch.tensor([last[i]]) for i in live], [caches[i] for i in live])
         nxt = []

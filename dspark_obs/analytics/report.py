@@ -40,9 +40,8 @@ from dspark_obs.analytics.sts import (
 )
 from dspark_obs.analytics.windows import budget_stats, window_histogram, window_stats
 
-WORKLOAD_TABLE = (
-    "run_id",
-    "workload",
+WORKLOAD_KEYS = ("run_id", "workload")
+WORKLOAD_CEILING = (
     "steps",
     "mean_window",
     "share_max_window",
@@ -51,6 +50,8 @@ WORKLOAD_TABLE = (
     "mean_ceiling",
     "utilization",
     "tokens_left",
+)
+WORKLOAD_ESTIMATE = (
     "est_lo",
     "est_mid",
     "est_hi",
@@ -61,6 +62,7 @@ WORKLOAD_TABLE = (
     "ece_raw",
     "ece_sts",
 )
+WORKLOAD_TABLE = (*WORKLOAD_KEYS, *WORKLOAD_CEILING, *WORKLOAD_ESTIMATE)
 
 # Short headers for the terminal and Markdown renderings of the workload table.
 HEADERS = {
@@ -205,21 +207,8 @@ class Report:
 
         # Two narrow tables rather than one wide one: readable in an 80-column terminal.
         w = self.workloads
-        keys = [c for c in ("run_id", "workload") if c in w.columns]
-        first = [
-            c
-            for c in (
-                "steps",
-                "mean_window",
-                "share_max_window",
-                "share_window_le3",
-                "mean_committed",
-                "mean_ceiling",
-                "utilization",
-                "tokens_left",
-            )
-            if c in w.columns
-        ]
+        keys = [c for c in WORKLOAD_KEYS if c in w.columns]
+        first = [c for c in WORKLOAD_CEILING if c in w.columns]
         second = [c for c in w.columns if c not in keys and c not in first]
         items.append(table("Windows and ceiling per workload", w[keys + first], HEADERS))
         items.append(table("Estimate (compact alone) and calibration", w[keys + second], HEADERS))

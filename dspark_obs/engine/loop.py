@@ -370,8 +370,6 @@ class Engine:
                     window=w if cfg.mode == "cap-accept" else None,
                     block_size=gamma,
                 )
-            if cfg.mode == "static":
-                w = n
             full = list(res.tokens)  # uncut by EOS / length: what the estimator resolves against
             censors = cfg.mode == "compact" and res.correct_drafts == w - 1 and w - 1 < gamma
             logp = None
@@ -418,8 +416,6 @@ class Engine:
                 "trimmed_tokens": None,
                 "q_lp": None,
             }
-            if cfg.mode == "static":
-                row["correct_drafts"] = res.correct_drafts
             if censors:
                 trimmed = draft_tokens[i, w - 1 :].tolist()
                 row["trimmed_tokens"] = trimmed

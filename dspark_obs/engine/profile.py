@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+import numpy as np
+
 from dspark_obs.engine.costs import AdditiveCostTable, fit_additive
 from dspark_obs.engine.loop import Engine, EngineConfig, GenRequest
 from dspark_obs.fanout import FanOut, MemorySink
@@ -57,8 +59,5 @@ def profile_steps(
 def fit_table(samples: Sequence[tuple[int, int, float]], m_bin: int = 4) -> AdditiveCostTable:
     """Fit the additive table; theta is made non-decreasing so more tokens never look cheaper."""
     table = fit_additive(samples, m_bin=m_bin)
-    theta, best = [], float("-inf")
-    for t in table.theta_seconds:
-        best = max(best, t)
-        theta.append(best)
-    return replace(table, theta_seconds=tuple(theta))
+    theta = np.maximum.accumulate(np.asarray(table.theta_seconds, dtype=float))
+    return replace(table, theta_seconds=tuple(float(t) for t in theta))
