@@ -445,6 +445,21 @@ def conditional_acceptance(labels: pd.DataFrame, by: Sequence[str] = ("position"
     )
 
 
+REQUEST_CONFIDENCE_COLUMNS = (
+    "run_id",
+    "rid",
+    "workload",
+    "steps",
+    "pred_window",
+    "realized",
+    "gap_window",
+    "pred_block",
+    "realized_block",
+    "gap_block",
+    "committed",
+)
+
+
 def request_confidence(
     req_steps: FrameLike, runs: FrameLike | Mapping[str, str] | None = None, mode: str | None = None
 ) -> pd.DataFrame:
@@ -460,21 +475,7 @@ def request_confidence(
     df = wl.frame
     n, width = wl.valid.shape
     if n == 0:
-        return pd.DataFrame(
-            columns=[
-                "run_id",
-                "rid",
-                "workload",
-                "steps",
-                "pred_window",
-                "realized",
-                "gap_window",
-                "pred_block",
-                "realized_block",
-                "gap_block",
-                "committed",
-            ]
-        )
+        return pd.DataFrame(columns=list(REQUEST_CONFIDENCE_COLUMNS))
     pos = np.arange(1, width + 1)[None, :]
     s = np.where(wl.valid, wl.pred, 0.0)
     in_window = pos <= wl.verified[:, None]
@@ -507,18 +508,4 @@ def request_confidence(
     ).reset_index()
     out["gap_window"] = out["pred_window"] - out["realized"]
     out["gap_block"] = out["pred_block"] - out["realized_block"]
-    return out[
-        [
-            "run_id",
-            "rid",
-            "workload",
-            "steps",
-            "pred_window",
-            "realized",
-            "gap_window",
-            "pred_block",
-            "realized_block",
-            "gap_block",
-            "committed",
-        ]
-    ]
+    return out[list(REQUEST_CONFIDENCE_COLUMNS)]
