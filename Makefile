@@ -11,12 +11,32 @@ install:
 	$(PIP) -e '.[dev]'
 
 # Runs a mixed workload on SmolLM2-135M with the shipped drafter: a compact run plus its
-# cap-accept companion, then the per-workload report (windows, ceiling, estimator, ECE).
+# cap-accept companion, then the per-workload report (windows, ceiling, estimator, ECE), then
+# serves /metrics (Prometheus) and the Streamlit dashboard over the store until Ctrl-C.
+# Sized to finish its runs in under 5 minutes on a 2-core CPU; bigger:
+#   make demo DEMO_REQUESTS=48 DEMO_TOKENS=128        automated (no serving): make demo SERVE=0
+DEMO_REQUESTS ?= 9
+DEMO_TOKENS ?= 40
+SERVE ?= 1
+METRICS_PORT ?= 9464
+DASHBOARD_PORT ?= 8501
+
 demo: install
 	$(PY) -m dspark_obs fetch-model
-	$(PY) -m dspark_obs run --workload mixed --requests 12 --max-new-tokens 96 --mode compact \
-		--companion --store $(STORE) --run-id $(RUN)
+	@start=$$(date +%s); \
+	$(PY) -m dspark_obs run --workload mixed --requests $(DEMO_REQUESTS) \
+		--max-new-tokens $(DEMO_TOKENS) --mode compact --companion --store $(STORE) \
+		--run-id $(RUN) && \
+	echo "demo runs (compact + cap-accept companion) took $$(( $$(date +%s) - start )) s"
 	$(PY) -m dspark_obs report $(RUN) --store $(STORE) --out out/demo
+ifeq ($(SERVE),1)
+	@$(PY) -m dspark_obs serve --follow --store $(STORE) --port $(METRICS_PORT) & \
+	serve_pid=$$!; trap 'kill $$serve_pid 2>/dev/null' EXIT INT TERM; \
+	echo ""; \
+	echo "Prometheus metrics: http://127.0.0.1:$(METRICS_PORT)/metrics"; \
+	echo "Dashboard:          http://127.0.0.1:$(DASHBOARD_PORT)/   (Ctrl-C stops both)"; \
+	$(PY) -m dspark_obs dashboard --store $(STORE) --port $(DASHBOARD_PORT)
+endif
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider

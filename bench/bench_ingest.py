@@ -8,6 +8,15 @@ The timed path is what a producer's batch goes through: ``schema.validate`` (inc
 ``Store.write`` (dedupe against stored keys, Parquet segment, fsync, atomic rename, directory
 fsync). Building the Arrow batches is not timed: producers hand the fan-out columnar batches.
 
+Three store paths are timed side by side, interleaved, in one run: ``write only`` (batches
+validated beforehand, untimed: the cost of the store alone), ``fanout`` (validate, then
+Store.write of the validated table, which Store.write recognizes and does not check again:
+the FanOut -> Store path) and ``store validates`` (Store.write of a table that did not come
+from validate, so Store.write validates it itself). Their ratios are what validation costs.
+``--baseline-schema OLD.py`` adds a fourth path, ``baseline``: an older schema.py's validate
+(e.g. ``git show <commit>:dspark_obs/schema.py > /tmp/old_schema.py``), then the store: the
+before / after ratio of a change to the rules, measured in the same run.
+
 Baseline: the naive way, one ``INSERT INTO req_steps VALUES (?, ...)`` per row into a DuckDB
 table, all inside one transaction (so it is not dominated by a commit per row), on fewer
 rows (``--baseline-rows``); its rate is rows / seconds. Each figure is the median of
@@ -17,13 +26,16 @@ rows (``--baseline-rows``); its rate is rows / seconds. Each figure is the media
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import duckdb
 import numpy as np
@@ -97,27 +109,51 @@ def req_step_batch(
 
 @dataclass
 class Timing:
-    """One repetition: wall seconds, CPU seconds of this process, seconds inside validate."""
+    """One repetition: wall seconds, CPU seconds of this process, CPU seconds in validate."""
 
     wall: float
     cpu: float
     validate: float
 
 
-def bench_store(batches: list[pa.Table], workdir: Path) -> Timing:
-    """Validate and durably store every batch into a fresh store (one-time init included)."""
+PATHS = ("write only", "fanout", "store validates")
+
+
+def load_schema(path: str) -> ModuleType:
+    """Import another version of dspark_obs/schema.py under its own name."""
+    spec = importlib.util.spec_from_file_location("baseline_schema", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["baseline_schema"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def bench_store(
+    batches: list[pa.Table], workdir: Path, path: str = "fanout", baseline: ModuleType | None = None
+) -> Timing:
+    """Durably store every batch into a fresh store (one-time init included), by ``path``."""
     root = workdir / "store"
     shutil.rmtree(root, ignore_errors=True)
+    if path == "write only":
+        batches = [schema.validate("req_steps", b)[0] for b in batches]  # untimed
     in_validate = 0.0
     t0, c0 = time.perf_counter(), time.process_time()
     with Store(root) as store:
         for batch in batches:
-            v0 = time.perf_counter()
-            valid, errors = schema.validate("req_steps", batch)
-            in_validate += time.perf_counter() - v0
-            if errors:
-                raise SystemExit(f"benchmark data failed validation: {errors[0]}")
-            store.write("req_steps", valid)
+            if path in ("fanout", "baseline"):
+                rules = baseline if path == "baseline" and baseline is not None else schema
+                v0 = time.process_time()  # CPU: steadier than wall on a shared machine
+                batch, errors = rules.validate("req_steps", batch)
+                in_validate += time.process_time() - v0
+                if errors:
+                    raise SystemExit(f"benchmark data failed validation: {errors[0]}")
+                if rules is not schema:  # the old store did not validate again
+                    batch = schema._mark_validated(batch)
+            ack = store.write("req_steps", batch)
+            if ack.rejected:
+                raise SystemExit(f"benchmark data failed validation: {ack.rejected[0]}")
     timing = Timing(time.perf_counter() - t0, time.process_time() - c0, in_validate)
     got = Store(root).query("SELECT count(*) AS n FROM req_steps").column("n")[0].as_py()
     if got != sum(b.num_rows for b in batches):
@@ -150,7 +186,10 @@ def main() -> None:
     ap.add_argument("--baseline-rows", type=int, default=5_000, help="rows for the naive baseline")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--gamma", type=int, default=5)
+    ap.add_argument("--baseline-schema", default=None, help="an older schema.py to compare")
     args = ap.parse_args()
+    baseline = load_schema(args.baseline_schema) if args.baseline_schema else None
+    paths = (*PATHS, "baseline") if baseline is not None else PATHS
 
     steps_per_batch = max(1, args.batch_rows // 32)
     batches, made = [], 0
@@ -164,8 +203,12 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="dspark-bench-") as tmp:
         work = Path(tmp)
-        runs = [bench_store(batches, work) for _ in range(args.repeats)]
+        timed: dict[str, list[Timing]] = {p: [] for p in paths}
+        for _ in range(args.repeats):  # interleaved: machine noise hits every path alike
+            for p in paths:
+                timed[p].append(bench_store(batches, work, p, baseline))
         naive = [bench_naive(naive_rows, work) for _ in range(args.repeats)]
+    runs = timed["fanout"]
     wall = statistics.median(r.wall for r in runs)
     cpu = statistics.median(r.cpu for r in runs)
     val = statistics.median(r.validate for r in runs)
@@ -176,7 +219,7 @@ def main() -> None:
     print(
         f"validate + Store.write (durable, validation included): {store_rate:,.0f} rows/s "
         f"[median of {args.repeats} walls: {', '.join(f'{r.wall:.3f}s' for r in runs)}; "
-        f"of which validate {val:.3f}s; CPU {cpu:.3f}s = {args.rows / cpu:,.0f} rows/CPU-s]"
+        f"of which validate {val:.3f} CPU-s; CPU {cpu:.3f}s = {args.rows / cpu:,.0f} rows/CPU-s]"
     )
     print(
         f"naive row-by-row INSERT (DuckDB, one transaction, {args.baseline_rows:,} rows): "
@@ -184,6 +227,20 @@ def main() -> None:
         f"{', '.join(f'{s:.3f}s' for s in naive)}]"
     )
     print(f"ratio: {store_rate / naive_rate:,.1f}x")
+    rate = {p: args.rows / statistics.median(r.wall for r in timed[p]) for p in paths}
+    for p in paths:
+        cpu_p = statistics.median(r.cpu for r in timed[p])
+        print(f"  {p:>16}: {rate[p]:,.0f} rows/s, {args.rows / cpu_p:,.0f} rows/CPU-s "
+              f"[walls {', '.join(f'{r.wall:.3f}s' for r in timed[p])}]")
+    print(f"validation's cost: fanout path at {rate['fanout'] / rate['write only']:.3f}x the "
+          f"write-only rate; Store.write validating itself at "
+          f"{rate['store validates'] / rate['write only']:.3f}x")
+    if baseline is not None:
+        old_v = statistics.median(r.validate for r in timed["baseline"])
+        cpu_ratio = statistics.median(r.cpu for r in timed["baseline"]) / cpu
+        print(f"after / before (fanout / baseline): {rate['fanout'] / rate['baseline']:.3f}x "
+              f"the rate ({cpu_ratio:.3f}x by CPU time); validate {val:.3f} vs {old_v:.3f} CPU-s "
+              f"per {args.rows:,} rows")
 
 
 if __name__ == "__main__":

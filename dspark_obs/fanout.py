@@ -36,6 +36,10 @@ class FanOut:
     def emit(self, table: str, rows: Sequence[Mapping[str, Any]] | pa.Table) -> pa.Table:
         batch, errors = validate(table, rows)
         self.errors.extend(errors)
+        if errors:  # sinks that count rejections (telemetry) define rejected(errors)
+            for sink in self.sinks:
+                if hasattr(sink, "rejected"):
+                    sink.rejected(errors)
         if batch.num_rows:
             for sink in self.sinks:
                 sink.write(table, batch)

@@ -10,22 +10,24 @@ Four tables, each an Arrow schema:
                 ``q_lp``, ``pg``).
 * ``requests``  one row per finished request (prompt, output, finish reason, timings).
 
-Validation is vectorized (Arrow compute over whole batches); only failing rows are turned
-into messages. A batch with bad rows keeps its good rows: :func:`validate` returns both.
+Validation is vectorized (Arrow compute over whole batches; the rules are in
+``dspark_obs/rules.py``); only failing rows are turned into messages. A batch with bad rows
+keeps its good rows: :func:`validate` returns both.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
-SOURCES = ("engine", "sglang")
+SOURCES = ("engine", "sglang", "bench")  # bench: a `dspark-obs bench` run over HTTP
 MODES = ("static", "compact", "cap-accept")
 
 # --- SGLang 0.5.23 DecodeStepRecord: every field, same names. -1 means "unset" for ints.
@@ -147,6 +149,11 @@ REQUESTS = pa.schema(
         ("arrival_time", pa.float64()),
         ("first_token_time", pa.float64()),
         ("finish_time", pa.float64()),
+        # SGLang's per-request speculative meta_info (null when the server gives none).
+        ("spec_verify_ct", pa.int64()),
+        ("spec_accept_length", pa.float64()),
+        ("spec_correct_drafts_histogram", pa.list_(pa.int64())),
+        ("spec_cap_lens_histogram", pa.list_(pa.int64())),
     ]
 )
 
@@ -188,14 +195,45 @@ class RecordError:
 
 # ---------------------------------------------------------------- building batches
 
+# A run's store directory is ``run_id=<percent-encoded run_id>``; the store adds at most 35
+# bytes to that name (generation suffix, temp names), and file names have at most 255 bytes.
+MAX_RUN_DIR_BYTES = 220
+_HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"  # DuckDB reads this hive value as NULL
+
+_VALIDATED: dict[int, weakref.ref[pa.Table]] = {}
+
+
+def run_dir_name(run_id: str) -> str:
+    """The directory name of one run in the store: ``run_id=<percent-encoded run_id>``."""
+    enc = quote(run_id, safe="")
+    if run_id == _HIVE_NULL:
+        enc = "%5F" + enc[1:]
+    return f"run_id={enc}"
+
+
+def is_validated(batch: object) -> bool:
+    """True if ``batch`` is the very table :func:`validate` returned (so it need not be
+    checked again: the FanOut -> Store path validates once). Tables are immutable, and a
+    derived table (slice, filter, concat) is a new object, so the mark cannot go stale."""
+    ref = _VALIDATED.get(id(batch))
+    return ref is not None and ref() is batch
+
+
+def _mark_validated(batch: pa.Table) -> pa.Table:
+    key = id(batch)
+    _VALIDATED[key] = weakref.ref(batch, lambda _, key=key: _VALIDATED.pop(key, None))
+    return batch
+
 
 def to_table(
     table: str, rows: Sequence[Mapping[str, Any]] | pa.Table
 ) -> tuple[pa.Table, list[RecordError]]:
     """Turn rows (dicts) or an Arrow table into a table of the named schema.
 
-    Rows whose values have the wrong type are dropped and reported, field by field; the
-    rest are kept. Missing optional fields become null (SGLang's int step fields: -1).
+    Rows whose values have the wrong type (or, in an Arrow table, a value that does not fit
+    the schema's type) are dropped and reported, field by field; the rest are kept. Missing
+    optional fields become null (SGLang's int step fields: -1). A column whose type cannot
+    hold the field at all (text where a number belongs) is a SchemaError.
     """
     data, errors, _ = _to_table(table, rows)
     return data, errors
@@ -207,7 +245,25 @@ def _to_table(
     """:func:`to_table`, plus the caller's row number of each kept row (None: all kept)."""
     schema = _schema(table)
     if isinstance(rows, pa.Table):
-        return _conform(table, rows), [], None
+        return _conform(table, rows)
+    if isinstance(rows, Mapping | str | bytes) or not isinstance(rows, Iterable):
+        raise SchemaError(
+            f"{table}: expected a list of rows (dicts) or a pyarrow.Table, "
+            f"got {type(rows).__name__}"
+        )
+    rows = list(rows)
+    not_rows = [i for i, r in enumerate(rows) if not isinstance(r, Mapping)]
+    if not_rows:
+        errors = [
+            RecordError(table, i, "<row>", rows[i], "a row must be a mapping of field -> value")
+            for i in not_rows
+        ]
+        keep = np.setdiff1d(np.arange(len(rows)), not_rows)
+        data, more, kept = _to_table(table, [rows[i] for i in keep])
+        errors += [RecordError(e.table, int(keep[e.row]), e.field, e.value, e.reason)
+                   for e in more]
+        errors.sort(key=lambda e: e.row)
+        return data, errors, keep if kept is None else keep[kept]
     rows = [_fill_defaults(table, r) for r in rows]
     if not _has_fractional_int(schema, rows):  # pyarrow would silently truncate 2.5 -> 2
         try:
@@ -227,14 +283,12 @@ def _to_table(
 
 
 def _fill_defaults(table: str, row: Mapping[str, Any]) -> dict[str, Any]:
-    row = dict(row)
+    names = _schema(table).names
+    row = {k: v for k, v in row.items() if k in names}  # SGLang adds fields: drop unknown ones
     if table == "steps":
         for f in SGLANG_STEP_INT_FIELDS:
             if row.get(f) is None:
                 row[f] = _STEP_INT_DEFAULT
-    unknown = set(row) - set(_schema(table).names)
-    for f in unknown:  # SGLang adds fields over time; keep what we know, drop the rest
-        del row[f]
     return row
 
 
@@ -275,66 +329,160 @@ def _row_type_error(
         if _is_int_field(field.type) and _fractional(value):
             reason = f"expected {field.type}, got a fraction"
             return RecordError(table, i, field.name, value, reason)
-        try:
-            pa.array([value], type=field.type)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as exc:
-            return RecordError(table, i, field.name, value, f"expected {field.type}: {exc}")
         if isinstance(value, bool) and pa.types.is_integer(field.type):
             return RecordError(table, i, field.name, value, f"expected {field.type}, got bool")
         if isinstance(value, str) and not pa.types.is_string(field.type):
             return RecordError(table, i, field.name, value, f"expected {field.type}, got str")
+        try:
+            pa.array([value], type=field.type)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as exc:
+            return RecordError(table, i, field.name, value, f"expected {field.type}: {exc}")
     return None
 
 
-def _conform(table: str, data: pa.Table) -> pa.Table:
-    """Cast an Arrow table to the schema: add missing optional columns, reorder, cast."""
+def _conform(
+    table: str, data: pa.Table
+) -> tuple[pa.Table, list[RecordError], np.ndarray | None]:
+    """Cast an Arrow table to the schema: add missing optional columns, reorder, cast.
+
+    A value that does not fit its field's type (2.5 or 2**40 where an int32 belongs) rejects
+    its row only; the rows of such a value are found by bisection, so a clean batch costs
+    one cast per column.
+    """
     schema = _schema(table)
-    missing_required = [
-        f.name for f in schema if not f.nullable and f.name not in data.column_names
-    ]
+    names = data.column_names
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise SchemaError(f"{table}: column(s) {twice} appear more than once")
+    missing_required = [f.name for f in schema if not f.nullable and f.name not in names]
     if missing_required:
         raise SchemaError(f"{table}: missing required column(s) {missing_required}")
+    bad = np.zeros(data.num_rows, dtype=bool)
+    errors: dict[int, RecordError] = {}
+    for field in schema:
+        if field.name not in names or data.column(field.name).type == field.type:
+            continue
+        col = data.column(field.name)
+        if not _castable(col.type, field.type):
+            raise SchemaError(
+                f"{table}.{field.name}: a {col.type} column cannot hold {field.type} values"
+            )
+        arr = col.combine_chunks()
+        try:
+            arr.cast(field.type, safe=not _coarser_time(arr.type, field.type))
+            continue
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+            pass
+        except pa.ArrowNotImplementedError as exc:
+            raise SchemaError(
+                f"{table}.{field.name}: cannot cast {col.type} to {field.type}: {exc}"
+            ) from None
+        for i in _uncastable(arr, field.type, 0):
+            if not bad[i]:
+                bad[i] = True
+                reason = f"does not fit {field.type}"
+                errors[i] = RecordError(table, i, field.name, _value(arr, i), reason)
+    kept = None
+    if bad.any():
+        kept = np.flatnonzero(~bad)
+        data = data.filter(pa.array(~bad))
     cols = []
     for field in schema:
-        if field.name in data.column_names:
+        if field.name in names:
             col = data.column(field.name)
             if col.type != field.type:
-                try:
-                    col = col.cast(field.type)
-                except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-                    raise SchemaError(
-                        f"{table}.{field.name}: cannot cast {col.type} to {field.type}: {exc}"
-                    ) from exc
+                col = col.cast(field.type, safe=not _coarser_time(col.type, field.type))
         elif table == "steps" and field.name in SGLANG_STEP_INT_FIELDS:
             col = pa.array(np.full(data.num_rows, _STEP_INT_DEFAULT, dtype=np.int64))
         else:
             col = pa.nulls(data.num_rows, type=field.type)
         cols.append(col)
-    return pa.Table.from_arrays(cols, schema=schema)
+    return pa.Table.from_arrays(cols, schema=schema), sorted(errors.values(), key=_row), kept
+
+
+def _row(e: RecordError) -> int:
+    return e.row
+
+
+def _value(col: pa.ChunkedArray | pa.Array, i: int) -> Any:
+    """Row ``i``'s value for a message (a timestamp Python cannot hold: its raw int)."""
+    try:
+        return col[i].as_py()
+    except (OverflowError, ValueError, pa.ArrowException):
+        item = col.slice(i, 1)
+        if pa.types.is_timestamp(item.type):
+            return f"{item.cast(pa.int64())[0].as_py()} ({item.type.unit} since the epoch)"
+        return "<unreadable value>"
+
+
+def _castable(src: pa.DataType, dst: pa.DataType) -> bool:
+    """Whether a column of type ``src`` may hold values of ``dst`` (then cast value by
+    value). Numbers stay numbers (text, bools and dates never become numbers), lists stay
+    lists, structs stay structs."""
+    t = pa.types
+    if t.is_null(src) or src == dst:
+        return True
+    if t.is_dictionary(src):  # e.g. a pandas categorical
+        return _castable(src.value_type, dst)
+    if t.is_integer(dst) or t.is_floating(dst):
+        return t.is_integer(src) or t.is_floating(src)
+    if t.is_boolean(dst):
+        return t.is_boolean(src)
+    if t.is_string(dst) or t.is_large_string(dst):
+        return t.is_string(src) or t.is_large_string(src)
+    if t.is_timestamp(dst):
+        return t.is_timestamp(src) or t.is_integer(src)
+    if t.is_list(dst):
+        return (t.is_list(src) or t.is_large_list(src)) and _castable(src.value_type,
+                                                                        dst.value_type)
+    if t.is_struct(dst):
+        if not t.is_struct(src):
+            return False
+        have = {src.field(i).name: src.field(i).type for i in range(src.num_fields)}
+        want = {dst.field(i).name: dst.field(i).type for i in range(dst.num_fields)}
+        return set(have) <= set(want) and all(_castable(have[k], want[k]) for k in have)
+    return False
+
+
+def _coarser_time(src: pa.DataType, dst: pa.DataType) -> bool:
+    """ns -> us timestamps (pandas' default): dropping sub-microsecond digits is no error."""
+    return pa.types.is_timestamp(src) and pa.types.is_timestamp(dst)
+
+
+def _uncastable(arr: pa.Array, typ: pa.DataType, offset: int) -> list[int]:
+    """Row numbers (from ``offset``) of the values of ``arr`` that do not cast to ``typ``."""
+    try:
+        arr.cast(typ)
+        return []
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+        if len(arr) == 1:
+            return [offset]
+    mid = len(arr) // 2
+    return _uncastable(arr.slice(0, mid), typ, offset) + _uncastable(
+        arr.slice(mid), typ, offset + mid
+    )
 
 
 def _schema(table: str) -> pa.Schema:
     try:
         return TABLES[table]
-    except KeyError:
+    except (KeyError, TypeError):
         raise SchemaError(f"unknown table {table!r}; expected one of {sorted(TABLES)}") from None
 
 
 # ---------------------------------------------------------------- validation
 
-
 def validate(
     table: str, rows: Sequence[Mapping[str, Any]] | pa.Table
 ) -> tuple[pa.Table, list[RecordError]]:
-    """Type-check and rule-check a batch. Returns (valid rows, one error per rejected row)."""
+    """Type-check and rule-check a batch. Returns (valid rows, one error per rejected row).
+
+    Every rule is listed in ``docs/parts/store.md`` ("What is validated"). The valid table is
+    marked (:func:`is_validated`) so that a sink given it does not check it again.
+    """
     data, errors, kept = _to_table(table, rows)
-    # from_pylist and casts do not enforce nullable=False: a missing key must be caught here.
-    checks = [
-        (f.name, _null(data.column(f.name)), "required field is missing")
-        for f in data.schema
-        if not f.nullable and data.column(f.name).null_count
-    ]
-    checks += _RULES[table](data)
+    # from_pylist and casts do not enforce nullable=False: rules.checks catches a missing key.
+    checks = rules.checks(table, data)
     bad = np.zeros(data.num_rows, dtype=bool)
     rule_errors: dict[int, RecordError] = {}
     for field, mask, reason in checks:
@@ -345,129 +493,13 @@ def validate(
             for i in np.flatnonzero(new):
                 # Row numbers refer to the batch the caller gave, even after type errors.
                 row = int(i) if kept is None else int(kept[i])
-                rule_errors[row] = RecordError(table, row, field, col[int(i)].as_py(), reason)
+                rule_errors[row] = RecordError(table, row, field, _value(col, int(i)), reason)
             bad |= mask
-    if not bad.any():
-        return data, errors
-    errors.extend(rule_errors.values())
-    errors.sort(key=lambda e: e.row)
-    return data.filter(pa.array(~bad)), errors
-
-
-def _np(col: pa.ChunkedArray | pa.Array, fill: float | int = 0) -> np.ndarray:
-    return pc.fill_null(col, fill).to_numpy(zero_copy_only=False)
-
-
-def _null(col: pa.ChunkedArray) -> np.ndarray:
-    return pc.is_null(col).to_numpy(zero_copy_only=False)
-
-
-def _enum(
-    data: pa.Table, field: str, allowed: Iterable[str], nullable: bool
-) -> tuple[str, np.ndarray, str]:
-    col = data.column(field)
-    ok = pc.is_in(col, value_set=pa.array(list(allowed))).to_numpy(zero_copy_only=False)
-    if nullable:
-        ok |= _null(col)
-    return field, ~ok, f"must be one of {list(allowed)}"
-
-
-def _probability_lists(
-    data: pa.Table, field: str, gamma: np.ndarray
-) -> list[tuple[str, np.ndarray, str]]:
-    col = data.column(field)
-    null = _null(col)
-    lengths = _np(pc.list_value_length(col), 0)
-    checks = [(field, ~null & (lengths != gamma), "length must equal gamma")]
-    flat = pc.list_flatten(col).to_numpy(zero_copy_only=False).astype(np.float64)
-    if flat.size:
-        bad_value = ~np.isfinite(flat) | (flat < 0.0) | (flat > 1.0)
-        if bad_value.any():
-            row_of = np.repeat(np.arange(data.num_rows), lengths)
-            bad_rows = np.zeros(data.num_rows, dtype=bool)
-            bad_rows[row_of[bad_value]] = True
-            checks.append((field, bad_rows, "every value must be a finite probability in [0, 1]"))
-    return checks
-
-
-def _req_step_rules(data: pa.Table) -> list[tuple[str, np.ndarray, str]]:
-    gamma = _np(data.column("gamma"))
-    verify_len = _np(data.column("verify_len"), -1)
-    acc_len = _np(data.column("acc_len"), -1)
-    correct = _np(data.column("correct_drafts"), -1)
-    cap_trim = _np(data.column("cap_trim"), 0)
-    is_last = data.column("is_last")
-    may_cut = _np(is_last, True) | _null(is_last)  # unknown -> allow the final-step cut
-    draft_len = _np(pc.list_value_length(data.column("draft_tokens")), -1)
-    no_drafts = _null(data.column("draft_tokens"))
-    checks = [
-        ("gamma", gamma < 1, "gamma must be >= 1"),
-        (
-            "verify_len",
-            (verify_len < 1) | (verify_len > gamma + 1),
-            "verify_len must be in 1..gamma+1",
-        ),
-        (
-            "correct_drafts",
-            (correct < 0) | (correct > np.maximum(verify_len - 1, 0)),
-            "correct_drafts must be in 0..verify_len-1",
-        ),
-        (
-            "acc_len",
-            (acc_len > correct + 1) | (acc_len < 1) | ((acc_len != correct + 1) & ~may_cut),
-            "acc_len must equal correct_drafts+1 (smaller only on a request's final step)",
-        ),
-        (
-            "cap_trim",
-            (cap_trim < 0) | (correct + cap_trim > gamma),
-            "cap_trim must be in 0..gamma-correct_drafts",
-        ),
-        ("draft_tokens", ~no_drafts & (draft_len != gamma), "length must equal gamma"),
-    ]
-    for field in ("confidence", "survival"):
-        checks += _probability_lists(data, field, gamma)
-    for field in ("temperature", "top_p"):
-        v = _np(data.column(field), 0.0).astype(np.float64)
-        checks.append((field, ~np.isfinite(v) | (v < 0), "must be finite and >= 0"))
-    return checks
-
-
-def _step_rules(data: pa.Table) -> list[tuple[str, np.ndarray, str]]:
-    checks = [
-        ("forward_ct", _np(data.column("forward_ct")) < 0, "forward_ct must be >= 0"),
-        _enum(data, "mode", MODES, nullable=True),
-        _enum(data, "source", SOURCES, nullable=True),
-    ]
-    for f in SGLANG_STEP_FLOAT_FIELDS:
-        v = _np(data.column(f), 0.0)
-        checks.append((f, ~np.isfinite(v), "must be finite (or absent)"))
-    return checks
-
-
-def _run_rules(data: pa.Table) -> list[tuple[str, np.ndarray, str]]:
-    temp = _np(data.column("temperature"), 0.0).astype(np.float64)
-    return [
-        _enum(data, "mode", MODES, nullable=False),
-        _enum(data, "source", SOURCES, nullable=False),
-        ("gamma", _np(data.column("gamma")) < 1, "gamma must be >= 1"),
-        ("temperature", ~np.isfinite(temp) | (temp < 0), "must be finite and >= 0"),
-    ]
-
-
-def _request_rules(data: pa.Table) -> list[tuple[str, np.ndarray, str]]:
-    checks = [_enum(data, "finish_reason", ("stop", "length", "abort"), nullable=True)]
-    for f in ("arrival_time", "first_token_time", "finish_time"):
-        v = _np(data.column(f), 0.0)
-        checks.append((f, ~np.isfinite(v), "must be finite (or absent)"))
-    return checks
-
-
-_RULES = {
-    "runs": _run_rules,
-    "steps": _step_rules,
-    "req_steps": _req_step_rules,
-    "requests": _request_rules,
-}
+    if bad.any():
+        errors.extend(rule_errors.values())
+        errors.sort(key=_row)
+        data = data.filter(pa.array(~bad))
+    return _mark_validated(data), errors
 
 
 # ---------------------------------------------------------------- SGLang round trip
@@ -525,3 +557,6 @@ def req_to_sglang(row: Mapping[str, Any]) -> dict:
         if row.get(f) is not None:
             out[f] = [round(float(x), 4) for x in row[f]]
     return out
+
+
+from dspark_obs import rules  # noqa: E402  (rules reads this module's constants at call time)

@@ -314,3 +314,23 @@ def test_process_logits_then_accept_is_greedy_at_temperature_zero() -> None:
         s = sample_accept(p, drafts, q, uniforms=rng.random(4))
         g = greedy_accept(logits, drafts)
         assert s.tokens == g.tokens
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_p", "top_k"),
+    [(1.0, 1.0, -1), (0.7, 0.9, -1), (1.3, 1.0, 2), (1.0, 0.5, 3)],
+)
+def test_process_logprobs_is_the_log_of_the_processed_distribution(
+    temperature: float, top_p: float, top_k: int
+) -> None:
+    from dspark_obs.engine.acceptance import is_truncated, process_logprobs
+
+    logits = torch.randn(4, 11, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    p = process_logits(logits, temperature, top_p, top_k)
+    lp = process_logprobs(logits, temperature, top_p, top_k)
+    assert torch.equal(torch.isneginf(lp), p == 0)
+    assert torch.allclose(lp.exp(), p, atol=1e-12)
+    if not is_truncated(top_p, top_k):  # bitwise what SGLang's recorder gathers
+        assert torch.equal(lp, torch.log_softmax(logits / temperature, dim=-1))
+    else:
+        assert (p == 0).any()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pandas as pd
 import pytest
 from rich.console import Console
@@ -42,7 +43,8 @@ def test_report_from_store_view(sim):
     ):
         assert wk[c].notna().all(), c
     assert (wk["utilization"] <= 1).all()
-    assert rep.warnings == []
+    # 24 requests, 30% held out: the STS comparison is flagged, nothing else is
+    assert len(rep.warnings) == 1 and "only 7 held-out request(s)" in rep.warnings[0]
     # greedy: the point estimate is the companion's ceiling up to the few unresolved blocks
     assert (abs(wk["est_point"] - wk["mean_ceiling"]) < 0.15).all()
     doc = json.loads(rep.to_json())
@@ -57,7 +59,7 @@ def test_report_from_store_view(sim):
     }
     assert doc["sts"]["sim11-compact"]["calibration"]["temperatures"]
     md = rep.to_markdown()
-    assert "## Per workload" in md and "| run | workload |" in md and "ECE STS" in md
+    assert "## Per workload" in md and "| run | workload |" in md and "ECE judged STS" in md
     console = Console(record=True, width=250)
     console.print(rep.to_rich())
     text = console.export_text()
@@ -100,3 +102,64 @@ def test_report_without_confidence_or_companion():
     assert rep.workloads["est_mid"].notna().all()
     assert any("STS not evaluated" in w for w in rep.warnings)
     json.loads(rep.to_json())
+
+
+def _inside(lo: float, x: float, hi: float) -> bool:
+    return lo - 1e-9 <= x <= hi + 1e-9
+
+
+def test_every_bracket_verdict_stands_beside_the_value_it_was_judged_against() -> None:
+    """Sampled runs with EOS / length cuts: 'in [lo,hi]' is judged against the uncut ceiling,
+    and that value is printed next to it, inside the printed bracket whenever it says yes."""
+    disagree = 0
+    for seed in range(6):
+        s = simulate_pair(n_requests=10, seed=seed, temperature=1.0)
+        rs, rq = _store_view(s)
+        rep = build_report(rs, rq, s.runs, n_boot=20)
+        wk = rep.workloads
+        assert list(wk.columns).index("bracket_truth") + 1 == list(wk.columns).index(
+            "truth_in_bracket"
+        )
+        for r in wk.itertuples():
+            assert bool(r.truth_in_bracket) == _inside(r.est_lo, r.bracket_truth, r.est_hi)
+            disagree += _inside(r.est_lo, r.bracket_truth, r.est_hi) != _inside(
+                r.est_lo, r.mean_ceiling, r.est_hi
+            )
+        v = rep.validation
+        for r in v.itertuples():
+            assert bool(r.inside_bracket) == _inside(r.mean_lo, r.truth_mean_uncut, r.mean_hi)
+            assert bool(r.interval_covers) == _inside(
+                r.point_ci_lo, r.truth_mean_ceiling, r.point_ci_hi
+            )
+        console = Console(record=True, width=300)
+        console.print(rep.to_rich())
+        text = console.export_text()
+        assert "truth_mean_uncut" in text and "point_ci_lo" in text
+        assert "uncut ceiling" in rep.to_markdown()
+    # the case that matters occurs: 'ceiling' (acc_len + cap_trim) outside [lo, hi] while the
+    # uncut ceiling, the one judged and now printed beside the verdict, is inside (or back)
+    assert disagree > 0
+
+
+def test_sts_on_few_heldout_requests_or_worse_after_is_flagged() -> None:
+    from dspark_obs.analytics import StsData, fit_sts_heldout
+
+    rng = np.random.default_rng(0)
+    z = rng.normal(2.0, 1.0, (40, 5))  # overconfident logits, 4 requests of 10 rows
+    y = np.cumprod(rng.random((40, 5)) < 0.5, axis=1).astype(float)
+    req = np.repeat([f"r{i}" for i in range(4)], 10)
+    ho = fit_sts_heldout(StsData(z, y, np.ones_like(y, dtype=bool), req), 0.25, seed=0)
+    assert ho.heldout_requests == 1 and ho.few_heldout
+    lo, hi = ho.after_ci
+    assert lo <= ho.pooled_after <= hi
+    caveats = ho.caveats()
+    assert any("only 1 held-out request(s)" in c and "interval" in c for c in caveats)
+    # given temperatures that make the ECE worse are flagged in the warnings and the table
+    s = simulate_pair(n_requests=12, seed=3, temperature=1.0)
+    rs, rq = _store_view(s)
+    rep = build_report(rs, rq, s.runs, sts=StsCalibration([0.1] * 5), n_boot=0)
+    info = rep.sts["sim3-compact"]
+    assert info["ece_after"] > info["ece_before"]
+    assert any("WORSE" in w for w in rep.warnings)
+    assert rep.workloads["sts_note"].str.contains("WORSE").any()
+    assert "**CAVEAT**" in rep.to_markdown()

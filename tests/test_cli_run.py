@@ -120,3 +120,52 @@ def test_bad_input_exits_2_and_writes_nothing(smollm2: Path, tmp_path: Path) -> 
 
     res = runner.invoke(app, ["report", "nope", "--store", str(store)])
     assert res.exit_code == 2 and "no run 'nope'" in res.output
+
+
+def _store_is_empty(store: Path) -> bool:
+    if not store.exists():
+        return True
+    st = Store(store)
+    return all(
+        st.query(f"SELECT count(*) AS n FROM {t}").to_pylist() == [{"n": 0}]
+        for t in ("runs", "steps", "req_steps", "requests")
+    )
+
+
+def test_every_refused_run_leaves_the_store_empty(smollm2: Path, tmp_path: Path) -> None:
+    """Files, STS length vs gamma, cost table, context incl. generated tokens: all checked
+    before the first record."""
+    store = tmp_path / "store"
+    runner = CliRunner()
+    sts7 = tmp_path / "sts7.json"
+    sts7.write_text(json.dumps({"temperatures": [1.0] * 7}))
+    binary = tmp_path / "bin.json"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff")
+    negative = tmp_path / "neg.json"
+    negative.write_text(
+        json.dumps(
+            {
+                "bias_seconds": 0.01,
+                "bs_probes": [1, 16],
+                "alpha_seconds": [0.0, 0.0],
+                "m_probes": [1, 64],
+                "theta_seconds": [0.0, -0.5],
+            }
+        )
+    )
+    cases = (
+        (["--sts", str(sts7)], "has 7 temperatures but gamma is 5"),
+        (["--sts", str(tmp_path / "missing.json")], "missing.json: cannot read"),
+        (["--sts", str(binary)], "not UTF-8"),
+        (["--cost-table", str(binary)], "not UTF-8"),
+        (["--cost-table", str(negative)], "is not > 0"),
+        (["--workload-file", str(tmp_path / "none.jsonl")], "none.jsonl"),
+        (["--drafter", str(tmp_path)], "no drafter checkpoint"),
+        (["--max-new-tokens", "100000"], "exceeds the context"),
+        (["--estimator-rows", "most"], "estimator_rows"),
+    )
+    for args, message in cases:
+        res = runner.invoke(app, ["run", "-n", "2", "--store", str(store), *args])
+        assert res.exit_code == 2, (args, res.output, res.exception)
+        assert message in " ".join(res.output.split()), (args, res.output)
+        assert _store_is_empty(store), args

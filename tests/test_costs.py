@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -246,3 +247,58 @@ def test_fit_additive_errors() -> None:
     with pytest.raises(CostTableError, match="bias_seconds"):
         # a strong (bs x M) interaction: the additive intercept comes out negative
         fit_additive([(1, 1, 0.001), (1, 2, 1.0), (2, 0, 1.0), (2, 1, 3.0)])
+
+
+@pytest.mark.parametrize(
+    ("alpha", "theta", "where"),
+    [
+        ([0.0, -0.02], [0.0, 0.001], "T(bs=16, K=0)"),  # alpha sinks below the bias
+        ([0.0, 0.0], [0.0, -0.02], "T(bs=1, K=63)"),  # theta does at large M
+    ],
+)
+def test_tables_predicting_a_negative_step_time_are_refused(
+    tmp_path: Path, alpha: list, theta: list, where: str
+) -> None:
+    data = {
+        "bias_seconds": 0.01,
+        "bs_probes": [1, 16],
+        "alpha_seconds": alpha,
+        "m_probes": [1, 64],
+        "theta_seconds": theta,
+    }
+    path = _write(tmp_path, json.dumps(data))
+    with pytest.raises(CostTableError, match=rf"{path}.*{re.escape(where)}.* is not > 0"):
+        CostTable.load(path)
+
+
+def test_negative_terms_that_keep_every_step_time_positive_are_kept() -> None:
+    # theta < 0 only at M = 0, which no step reaches (M = bs + K >= 1)
+    table = AdditiveCostTable(0.5, (1,), (0.0,), (0, 1024), (-0.5, 511.5))
+    assert table.step_seconds(1, 0) > 0
+    shipped = Path(__file__).resolve().parents[1] / "runtime/cost_tables/smollm2_cpu.json"
+    assert CostTable.load(shipped).step_seconds(16, 80) > 0
+
+
+def test_huge_integers_and_nesting_are_clear_errors(tmp_path: Path) -> None:
+    cases = (
+        (
+            '{"sample_batch_tokens": [1, 1' + "0" * 30 + '], "sample_steps_per_sec": [1, 2], '
+            '"max_batch_tokens": 4}',
+            "outside 0..",
+        ),
+        (
+            '{"bias_seconds": 1, "bs_probes": [1], "alpha_seconds": [1' + "0" * 400 + "], "
+            '"m_probes": [1], "theta_seconds": [0]}',
+            "beyond",
+        ),
+        ("[" * 100_000 + "]" * 100_000, "nested deeper"),
+        ("1" * 5000, "not valid JSON"),
+    )
+    for text, needle in cases:
+        path = _write(tmp_path, text)
+        with pytest.raises(CostTableError, match=needle):
+            CostTable.load(path)
+    bad = tmp_path / "bin.json"
+    bad.write_bytes(b'{"bias_seconds": \xff\xfe}')
+    with pytest.raises(CostTableError, match=r"bin\.json: not UTF-8"):
+        CostTable.load(bad)

@@ -247,3 +247,88 @@ def test_shipped_checkpoint_drafts_for_smollm2() -> None:
         ref.append(t)
         out = target.forward([torch.tensor([t])], [cache])
     assert stats.outputs[0] == ref
+
+
+# -- confidence per sampling regime ------------------------------------------------------------
+
+
+def test_greedy_requests_read_the_greedy_head_and_their_own_sts(tmp_path: Path) -> None:
+    tgt = _target()
+    d = _drafter(tgt, greedy_confidence=True)
+    assert d.conf_head_greedy is not None
+    with torch.no_grad():  # two heads that disagree: sampling says "reject", greedy "accept"
+        d.conf_head.weight.zero_()
+        d.conf_head.bias.fill_(-3.0)
+        d.conf_head_greedy.weight.zero_()
+        d.conf_head_greedy.bias.fill_(3.0)
+    hidden, anchor = _context(tgt, d, 8)
+    caches = [d.new_cache(), d.new_cache()]
+    gens = [None, torch.Generator().manual_seed(0)]
+    blk = d.draft_batch(caches, [anchor, anchor], 4, [0.0, 1.0], gens, [hidden, hidden])
+    sig = torch.sigmoid(torch.tensor(3.0))
+    assert torch.allclose(blk.confidence[0], sig.expand(4))  # greedy row: greedy head
+    assert torch.allclose(blk.confidence[1], (1 - sig).expand(4))  # sampled row
+    assert torch.allclose(blk.conf_logits, torch.tensor([[3.0] * 4, [-3.0] * 4]))
+    # STS per regime: the greedy file touches greedy rows only
+    d.set_sts([3.0] * 4, regime="greedy")
+    blk = d.draft_batch(
+        [d.new_cache(), d.new_cache()], [anchor, anchor], 4, [0.0, 1.0], gens, [hidden, hidden]
+    )
+    assert torch.allclose(blk.confidence[0], torch.sigmoid(torch.tensor(1.0)).expand(4))
+    assert torch.allclose(blk.confidence[1], (1 - sig).expand(4))
+    d.set_sts([0.5] * 4, regime="sample")
+    d.save(tmp_path / "dr")
+    saved = {p.name for p in (tmp_path / "dr").iterdir()}
+    assert {"sts.json", "sts_greedy.json"} <= saved
+    back = Drafter.load(tmp_path / "dr", tgt)
+    assert back.sts(4, greedy=True).tolist() == [3.0] * 4 and back.sts(4).tolist() == [0.5] * 4
+    # a user-supplied file ("all") applies to every request, greedy ones included
+    back.set_sts([2.0] * 4)
+    assert back.sts(4, greedy=True).tolist() == [2.0] * 4
+    with pytest.raises(ValueError, match="regime"):
+        back.set_sts([1.0] * 4, regime="beam")
+
+
+def test_config_without_greedy_head_still_loads(tmp_path: Path) -> None:
+    tgt = _target()
+    d = _drafter(tgt)
+    d.save(tmp_path / "old")
+    conf = json.loads((tmp_path / "old" / "config.json").read_text())
+    del conf["drafter"]["greedy_confidence"]  # a config written before the greedy head
+    (tmp_path / "old" / "config.json").write_text(json.dumps(conf))
+    back = Drafter.load(tmp_path / "old", tgt)
+    assert back.conf_head_greedy is None
+    hidden, anchor = _context(tgt, d, 6)
+    assert back.draft(hidden, anchor, gamma=3).conf_logits.shape == (3,)
+
+
+def test_auroc_and_calibration_report_by_construction() -> None:
+    from dspark_obs.engine.drafter_eval import auroc, calibration_report, merge_results
+
+    assert auroc(np.array([0.1, 0.4, 0.35, 0.8]), np.array([0, 0, 1, 1])) == 0.75
+    assert auroc(np.array([0.5, 0.5]), np.array([0, 1])) == 0.5
+    assert math.isnan(auroc(np.array([0.5]), np.array([1])))
+
+    def records(seed: int, n: int) -> dict:
+        # true per-position logits t; the head reports 3 * t (over-confident): STS should
+        # find T ~ 3 at every position
+        rng = np.random.default_rng(seed)
+        t = rng.normal(0.5, 1.5, (n, 3))
+        ok = rng.random((n, 3)) < 1 / (1 + np.exp(-t))
+        correct = np.cumprod(ok, 1).sum(1)
+        return {"correct": correct.tolist(), "conf_logits": (3 * t).tolist()}
+
+    def res(seed: int) -> dict:
+        r = {f"w{i}@T0": records(seed + i, 3000) for i in range(2)}
+        summary = {k: {} for k in r}
+        return {"gamma": 3, "max_new_tokens": 8, "prompts": {}, "results": summary, "records": r}
+
+    fit = merge_results([res(0)])
+    rep = calibration_report(fit, res(10), gamma_max=5)["T0"]
+    assert len(rep["sts"]["temperatures"]) == 5  # padded to the drafter's block
+    assert all(2.0 < t < 4.5 for t in rep["sts"]["temperatures"][:3])
+    pooled = rep["eval"]["pooled"]
+    assert max(pooled["ece_sts"]) < 0.03 < min(pooled["ece_raw"][:1])
+    assert 0.5 < pooled["auroc_1"] <= 1.0
+    with pytest.raises(ValueError, match="gamma"):
+        merge_results([res(0), {**res(1), "gamma": 4}])

@@ -39,11 +39,118 @@ def test_greedy_estimate_from_compact_alone_equals_companion_truth() -> None:
 
 def test_companion_pairs_identically_and_bracket_holds_truth_under_sampling() -> None:
     compact, cap = _pair(1.0, 6)
-    pair = pair_companion(compact.table("req_steps"), cap.table("req_steps"),
-                          compact.table("requests"), cap.table("requests"), greedy=True)
+    pair = pair_companion(
+        compact.table("req_steps"),
+        cap.table("req_steps"),
+        compact.table("requests"),
+        cap.table("requests"),
+        greedy=True,
+    )
     assert pair.identical, pair.message
-    est = estimate_blocks(compact.table("req_steps").to_pandas(),
-                          compact.table("requests").to_pandas(), gamma=5)
+    est = estimate_blocks(
+        compact.table("req_steps").to_pandas(), compact.table("requests").to_pandas(), gamma=5
+    )
     val = validate_estimator(est, pair, n_boot=50)
     assert len(val) >= 1
     assert bool(val.filter(like="inside").all(axis=None)), val.T
+
+
+# ------------------------------------------------------------ truncated sampling (issue 8.1)
+
+
+def _sampled_pair(seed: int, config: dict | None = None, **sampling):
+    from dataclasses import replace
+
+    from dspark_obs.engine.loop import Engine, EngineConfig
+    from dspark_obs.fanout import FanOut, MemorySink
+
+    target, drafter = _models(seed)
+    reqs = [replace(r, **sampling) for r in _requests(8, seed=seed, temperature=1.0)]
+    sinks = []
+    for mode, run_id in (("compact", "c"), ("cap-accept", "c-cap")):
+        sink = MemorySink()
+        fan = FanOut([sink])
+        cfg = EngineConfig(
+            mode=mode, gamma=5, max_batch=4, cost_table=_trimming_table(), **(config or {})
+        )
+        Engine(target, drafter, cfg).run(reqs, fan.emit, run_id)
+        assert fan.errors == []
+        sinks.append(sink)
+    return sinks
+
+
+def _validated(compact, cap):
+    pair = pair_companion(
+        compact.table("req_steps"),
+        cap.table("req_steps"),
+        compact.table("requests"),
+        cap.table("requests"),
+        greedy=True,
+    )
+    assert pair.identical, pair.message
+    est = estimate_blocks(
+        compact.table("req_steps").to_pandas(), compact.table("requests").to_pandas(), gamma=5
+    )
+    assert not est.problems
+    return est, validate_estimator(est, pair, n_boot=50).iloc[0]
+
+
+def _companion_full(cap) -> dict[tuple[str, int], int]:
+    k = cap.table("req_steps").to_pandas()
+    return {(r.rid, r.forward_ct): r.correct_drafts + r.cap_trim for r in k.itertuples()}
+
+
+def test_estimator_is_exact_under_top_k_and_top_p_as_under_pure_temperature() -> None:
+    """top_k=1 / top_p=0.9 rows: point within the tolerance of pure-temperature rows, truth
+    inside [lo, hi] just as often (log p of the processed target distribution is recorded)."""
+    from dspark_obs.engine.loop import TARGET_LOGPROB_FLOOR
+
+    results = {}
+    for label, sampling in (("pure", {}), ("top_k=1", {"top_k": 1}), ("top_p=0.9", {"top_p": 0.9})):
+        for seed in (6, 7):
+            compact, cap = _sampled_pair(seed, **sampling)
+            est, val = _validated(compact, cap)
+            results[(label, seed)] = val
+            if label == "pure":
+                continue
+            # A draft the filter removed from the target's distribution is never accepted:
+            # it is stored at the floor (a_k = 0), and the companion indeed rejected it.
+            full = _companion_full(cap)
+            outside = 0
+            for row in compact.table("req_steps").to_pylist():
+                for e in row["pg"] or []:
+                    if e["target_logprob"] <= TARGET_LOGPROB_FLOOR:
+                        outside += 1
+                        assert full[(row["rid"], e["src_fct"])] < e["k"], e
+            assert outside > 0, label
+            if label == "top_k=1":  # every a_k is 0 or 1: the bracket is the truth itself
+                b = est.blocks[est.blocks.category.isin(["resolved", "diverged"])]
+                assert len(b) > 20
+                truth = {k: v + 1 for k, v in full.items()}
+                assert np.allclose(
+                    b.lo, [truth[(r, f)] for r, f in zip(b.rid, b.forward_ct, strict=True)]
+                )
+    pure_err = max(results[("pure", s)].point_pct_err for s in (6, 7))
+    for (label, seed), val in results.items():
+        assert bool(val.inside_bracket), (label, seed, val)
+        assert bool(val.interval_covers) and bool(val.pred_interval_covers), (label, seed)
+        assert val.point_pct_err <= pure_err + 0.5, (label, seed, val.point_pct_err, pure_err)
+
+
+def test_sglang_parity_switch_skips_greedy_and_truncated_rows() -> None:
+    from dspark_obs.analytics.estimator import sglang_skipped_rows
+
+    compact, _ = _sampled_pair(6, {"estimator_rows": "sglang"}, top_p=0.9)
+    rs = compact.table("req_steps").to_pandas()
+    assert rs.trimmed_tokens.isna().all() and rs.q_lp.isna().all() and rs.pg.isna().all()
+    assert sglang_skipped_rows(rs).all()
+    assert len(estimate_blocks(rs, gamma=5, rows_from="sglang").blocks) == 0
+    # pure-temperature rows are recorded exactly as without the switch
+    parity, _ = _sampled_pair(6, {"estimator_rows": "sglang"})
+    exact, _ = _sampled_pair(6)
+    a = parity.table("req_steps").to_pandas()
+    b = exact.table("req_steps").to_pandas()
+    assert a.trimmed_tokens.notna().sum() > 0
+    for col in ("trimmed_tokens", "q_lp", "pg"):
+        assert a[col].astype(str).tolist() == b[col].astype(str).tolist(), col
+    assert not sglang_skipped_rows(a).any()

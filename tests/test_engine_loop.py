@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -196,3 +199,107 @@ def test_bad_input_is_refused_before_anything_is_written() -> None:
     with pytest.raises(EngineError, match="exceeds the context"):
         eng.run(too_long, FanOut([sink]).emit, "x")
     assert sink.batches == {}
+
+
+def test_every_bad_sampling_setting_is_refused_before_anything_is_written() -> None:
+    target, drafter = _models()
+    eng = Engine(target, drafter, EngineConfig())
+    sink = MemorySink()
+    for change, needle in (
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"seed": -1}, "seed"),
+        ({"arrival_step": -2}, "arrival_step"),
+        ({"prompt_ids": [1, VOCAB]}, "token id"),
+    ):
+        good = GenRequest("ok", [1, 2], 5)
+        bad = GenRequest("bad", **{"prompt_ids": [1, 2], "max_new_tokens": 5, **change})
+        with pytest.raises(EngineError, match=needle):
+            eng.run([good, bad], FanOut([sink]).emit, "x")
+    for kwargs in ({"flush_every": 0}, {"flush_seconds": 0.0}, {"estimator_rows": "some"}):
+        with pytest.raises(EngineError):
+            EngineConfig(**kwargs)
+    assert sink.batches == {}
+
+
+class _ArrivalSink:
+    """Records when each hand-over arrives and how many step rows it carries."""
+
+    def __init__(self) -> None:
+        self.arrivals: list[tuple[float, int]] = []
+
+    def emit(self, table: str, rows: list) -> None:
+        if table == "steps":
+            self.arrivals.append((time.perf_counter(), len(rows)))
+
+
+def test_records_reach_sinks_every_n_steps_or_every_interval_whichever_first() -> None:
+    target, drafter = _models(2)
+    reqs = [replace(r, max_new_tokens=120, arrival_step=0) for r in _requests(3, seed=2)]
+    # by count: a huge interval, every 4 steps
+    by_count = _ArrivalSink()
+    res = Engine(target, drafter, EngineConfig(flush_every=4, flush_seconds=1e9)).run(
+        reqs, by_count.emit, "n"
+    )
+    sizes = [n for _, n in by_count.arrivals]
+    assert sum(sizes) == res.steps and set(sizes[:-1]) == {4} and sizes[-1] <= 4
+    # by time: a huge count, every 50 ms; the engine is slowed so a run spans many intervals
+    by_time = _ArrivalSink()
+    eng = Engine(target, drafter, EngineConfig(flush_every=10**9, flush_seconds=0.05))
+    real_step = eng._step
+
+    def slow_step(*args, **kwargs):
+        time.sleep(0.01)
+        return real_step(*args, **kwargs)
+
+    eng._step = slow_step  # type: ignore[method-assign]
+    t0 = time.perf_counter()
+    res = eng.run(reqs, by_time.emit, "t")
+    elapsed = time.perf_counter() - t0
+    times = [t0] + [t for t, _ in by_time.arrivals]
+    assert sum(n for _, n in by_time.arrivals) == res.steps
+    assert len(by_time.arrivals) >= elapsed / 0.05 * 0.5, (len(by_time.arrivals), elapsed)
+    gaps = np.diff(times)
+    assert gaps.max() < 0.05 + 0.25, gaps.max()  # interval + at most one (slow) step
+    assert all(n < res.steps for _, n in by_time.arrivals[:-1])
+
+
+def test_compact_with_an_uninitialized_1d_table_verifies_everything_as_sglang() -> None:
+    from dspark_obs.engine.costs import StepsPerSecTable
+
+    target, drafter = _models(3)
+    reqs = _requests(4, seed=3)
+    flat = StepsPerSecTable((16,), (50.0,), 64)  # one probe: SGLang's "uninitialized" table
+    res, sink = _run(target, drafter, "compact", reqs, 4, flat, "flat")
+    rs = sink.table("req_steps").to_pandas()
+    assert (rs.verify_len == 6).all()
+    steps = sink.table("steps").to_pandas()
+    assert (steps.num_verify_tokens == steps.bs * 6).all()
+    assert steps.predicted_step_ms.isna().all()
+    # the same run with no table at all commits the same tokens
+    res_none, _ = _run(target, drafter, "compact", reqs, 4, None, "none")
+    assert res.outputs == res_none.outputs
+
+
+@pytest.mark.parametrize("mode", ["static", "compact"])
+def test_ignore_eos_runs_to_the_length_limit_and_eos_stops_otherwise(mode: str) -> None:
+    target, drafter = _models()
+    base = _requests(3)
+    ref = {r.rid: _greedy_reference(target, r.prompt_ids, r.max_new_tokens) for r in base}
+    stop = ref[base[0].rid][2]  # a token greedy decoding really produces early
+    reqs = base + [replace(r, rid=r.rid + "-ign", ignore_eos=True) for r in base]
+    sink = MemorySink()
+    fan = FanOut([sink])
+    config = EngineConfig(mode=mode, gamma=5, max_batch=4, cost_table=_trimming_table())
+    res = Engine(target, drafter, config, stop_ids=[stop]).run(reqs, fan.emit, "eos")
+    finished = {r["rid"]: r["finish_reason"] for r in sink.table("requests").to_pylist()}
+    for r in base:
+        full = ref[r.rid]
+        assert res.outputs[r.rid + "-ign"] == full
+        assert finished[r.rid + "-ign"] == "length"
+        if stop in full:
+            assert res.outputs[r.rid] == full[: full.index(stop) + 1]
+            assert finished[r.rid] == "stop"
+    assert finished[base[0].rid] == "stop"

@@ -138,7 +138,7 @@ def test_survival_validation() -> None:
     table = StepsPerSecTable((1,), (10.0,), 1)
     with pytest.raises(ValueError, match="2-D"):
         sps_budget(np.ones(3), table)
-    with pytest.raises(ValueError, match="NaN"):
+    with pytest.raises(ValueError, match=r"survival\[0, 0\] = nan"):
         allocate(np.array([[np.nan]]), 1)
 
 
@@ -262,6 +262,39 @@ def test_scheduler_without_table_verifies_everything() -> None:
     assert budget == 15
     assert lens.tolist() == [6, 6, 6]
     assert sched.last_decision is None
+
+
+def test_scheduler_with_uninitialized_1d_table_verifies_everything() -> None:
+    """SGLang: a 1-D table with <= 1 probe is "uninitialized" and compact verifies all."""
+    flat = StepsPerSecTable((8,), (10.0,), 8)
+    assert flat.uninitialized and not StepsPerSecTable((1, 4), (9.0, 5.0), 8).uninitialized
+    sched = Scheduler(flat, gamma=5)
+    survival = np.cumprod(np.full((3, 5), 0.3), axis=1)  # a real table would trim these
+    for _ in range(4):
+        budget, lens = sched.plan(["a", "b", "c"], survival)
+        assert budget == 15 and lens.tolist() == [6, 6, 6]
+        assert sched.last_decision is None
+    two = Scheduler(StepsPerSecTable((1, 4), (100.0, 10.0), 8), gamma=5, lag=0)
+    assert two.plan(["a", "b", "c"], survival)[1].tolist() != [6, 6, 6]
+
+
+@pytest.mark.parametrize("bad", [1.5, -0.1, np.nan, np.inf])
+def test_survival_outside_unit_interval_is_refused_by_every_entry_point(bad: float) -> None:
+    from dspark_obs.engine.scheduler import SurvivalError
+
+    table = StepsPerSecTable((1, 4), (100.0, 10.0), 8)
+    surv = np.full((2, 3), 0.5)
+    surv[1, 2] = bad
+    calls = (
+        lambda: Scheduler(table, gamma=3).plan(["a", "b"], surv),
+        lambda: Scheduler(None, gamma=3).plan(["a", "b"], surv),
+        lambda: ConfidenceRelay(1).step(["a", "b"], surv),
+        lambda: allocate(surv, 2),
+        lambda: sps_budget(surv, table),
+    )
+    for call in calls:
+        with pytest.raises(SurvivalError, match=r"\[1, 2\] = .*probabilities in \[0, 1\]"):
+            call()
 
 
 def test_scheduler_uses_lagged_budget_and_current_allocation() -> None:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import math
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from dspark_obs.engine.drafter import Drafter
 from dspark_obs.engine.model import KVCache, ModelConfig, Target
 from dspark_obs.engine.train import (
     PaddedRunner,
@@ -154,3 +156,69 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     a, b = full.drafter.state_dict(), resumed.drafter.state_dict()
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-5), k
+
+
+def test_greedy_head_loss_adds_bce_to_the_argmax_match() -> None:
+    logits = torch.log(torch.tensor([[[0.75, 0.25], [0.5, 0.5]]]))
+    tlogits = torch.log(torch.tensor([[[0.25, 0.75], [0.5, 0.5]]]))
+    nxt = torch.tensor([[1, 0]])
+    valid = torch.tensor([[True, True]])
+    z1 = torch.tensor([[0.0, 2.0]])
+    zg = torch.tensor([[1.0, -1.0]])
+    one = drafter_loss(logits, z1, tlogits, nxt, valid, 1.0)
+    two = drafter_loss(logits, torch.stack([z1, zg], -1), tlogits, nxt, valid, 1.0)
+    match = [0.0, 1.0]  # argmax q = 0 vs p = 1; tie -> 0 == 0
+
+    def bce(x: float, y: float) -> float:
+        s = 1 / (1 + math.exp(-x))
+        return -(y * math.log(s) + (1 - y) * math.log(1 - s))
+
+    w = [1.0, math.exp(-1.0)]
+    extra = sum(w[k] * bce([1.0, -1.0][k], match[k]) for k in range(2)) / sum(w)
+    assert math.isclose(float(two.loss - one.loss), extra, rel_tol=1e-5)
+    assert math.isclose(two.bce_greedy, extra, rel_tol=1e-5)
+    assert two.conf_greedy_mean == pytest.approx([1 / (1 + math.exp(-1)), 1 / (1 + math.exp(1))])
+
+
+def test_init_from_saved_drafter_with_a_new_greedy_head_and_snapshots(tmp_path: Path) -> None:
+    base = _train(tmp_path / "base", steps=5)
+    seen: list[tuple[int, dict[str, torch.Tensor]]] = []
+
+    def snap(step: int, drafter: Any) -> None:
+        assert not drafter.training
+        seen.append((step, {k: v.clone() for k, v in drafter.state_dict().items()}))
+
+    res = train_drafter(
+        _tiny_target(),
+        out_dir=tmp_path / "v2",
+        prompts=_prompts(12),
+        gamma=3,
+        steps=6,
+        batch_size=6,
+        lr=3e-3,
+        warmup=2,
+        max_new_tokens=20,
+        blocks_per_seq=4,
+        gen_batch_size=12,
+        eos_ids=[1],
+        init_from=base.export_dir,
+        drafter_config={"greedy_confidence": True},
+        on_snapshot=snap,
+        snapshot_every=3,
+        log=lambda s: None,
+    )
+    assert [s for s, _ in seen] == [0, 3, 6]
+    start = seen[0][1]
+    saved = Drafter.load(base.export_dir, _tiny_target()).state_dict()
+    for k, v in saved.items():  # step 0 is the saved drafter (bf16 on disk)
+        assert torch.allclose(start[k], v, atol=1e-6), k
+    assert torch.equal(start["conf_head_greedy.weight"], start["conf_head.weight"])
+    assert res.drafter.cfg.greedy_confidence and res.drafter.cfg.num_layers == 1
+    assert res.history[-1]["conf_greedy_mean"]  # the greedy head was trained and logged
+    assert not torch.equal(seen[-1][1]["conf_head_greedy.weight"], start["conf_head.weight"])
+    with pytest.raises(ValueError, match="cannot initialize"):
+        train_drafter(
+            _tiny_target(), out_dir=tmp_path / "bad", prompts=_prompts(4), steps=1, gamma=3,
+            init_from=base.export_dir, drafter_config={"markov_rank": 4}, eos_ids=[1],
+            max_new_tokens=8, log=lambda s: None,
+        )  # fmt: skip

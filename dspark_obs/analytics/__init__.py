@@ -40,6 +40,7 @@ from dspark_obs.analytics.estimator import (
     summarize_blocks,
     validate_estimator,
 )
+from dspark_obs.analytics.estimator_jsonl import EstimatorFileError
 from dspark_obs.analytics.report import Report, build_report
 from dspark_obs.analytics.sts import (
     StsCalibration,
@@ -65,6 +66,7 @@ __all__ = [
     "BlockEstimate",
     "CompanionDivergence",
     "CompanionResult",
+    "EstimatorFileError",
     "JsonlError",
     "Report",
     "StsCalibration",

@@ -76,10 +76,8 @@ Beyond SGLang:
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,6 +97,11 @@ from dspark_obs.analytics._frames import (
     text_column,
 )
 from dspark_obs.analytics.calibration import conditional_acceptance, position_labels
+from dspark_obs.analytics.estimator_jsonl import (  # noqa: F401 - re-exported, moved here
+    JsonlError,
+    parse_estimator_lines,
+    read_estimator_jsonl,
+)
 from dspark_obs.analytics.sts import apply_sts, logit
 
 CATEGORIES = ("exact_in_window", "resolved", "diverged", "at_end", "eos")
@@ -325,6 +328,25 @@ def _tail_rates(
     return row_conf, per_wl, pooled
 
 
+def sglang_skipped_rows(df: pd.DataFrame) -> np.ndarray:
+    """Rows SGLang's estimator recorder writes nothing for: greedy, top-k or top-p sampling.
+
+    Columns that are absent (e.g. SGLang's own JSONL, which holds only recorded rows) skip
+    nothing. SGLang's min-p test has no counterpart: the engine does not sample with min-p.
+    """
+    skip = np.zeros(len(df), dtype=bool)
+    if "temperature" in df.columns:
+        t = pd.to_numeric(df["temperature"], errors="coerce").to_numpy(np.float64)
+        skip |= ~np.isnan(t) & (t < 1e-6)  # SGLang's greedy threshold (_SAMPLING_EPS)
+    if "top_k" in df.columns:
+        k = pd.to_numeric(df["top_k"], errors="coerce").to_numpy(np.float64)
+        skip |= ~np.isnan(k) & (k != -1)
+    if "top_p" in df.columns:
+        p = pd.to_numeric(df["top_p"], errors="coerce").to_numpy(np.float64)
+        skip |= ~np.isnan(p) & (p != 1.0)
+    return skip
+
+
 def estimate_blocks(
     rows: FrameLike,
     requests: FrameLike | None = None,
@@ -333,6 +355,7 @@ def estimate_blocks(
     sts_temperatures: Sequence[float] | None = None,
     runs: Any = None,
     mode: str | None = None,
+    rows_from: str = "all",
 ) -> BlockEstimate:
     """One block per request-step: SGLang's bracket, the greedy ceiling and a point estimate.
 
@@ -344,7 +367,12 @@ def estimate_blocks(
     ``chain_p`` (per block): conditional acceptance probabilities of offsets after the
     committed base, resolved a_k then tail-fill rates; point = committed + sum of their
     running products, a realization = committed + leading accepted (see pred_ci).
+    ``rows_from``: "all" (every row: the engine records log p of the processed target
+    distribution, exact under top-k / top-p too) or "sglang" (drop greedy and top-k / top-p
+    rows first, as SGLang's recorder never writes them: SGLang-parity numbers).
     """
+    if rows_from not in ("all", "sglang"):
+        raise ValueError(f"rows_from must be 'all' or 'sglang', got {rows_from!r}")
     if tail not in ("empirical", "confidence", "none"):
         raise ValueError(f"tail must be 'empirical', 'confidence' or 'none', got {tail!r}")
     df = as_frame(rows)
@@ -352,6 +380,8 @@ def estimate_blocks(
         if c not in df.columns:
             raise ValueError(f"estimator input lacks column {c!r}")
     df = df.copy()
+    if rows_from == "sglang":
+        df = df[~sglang_skipped_rows(df)]
     df["run_id"] = text_column(df, "run_id", "")
     df["rid"] = text_column(df, "rid", "")
     df["workload"] = text_column(df, "workload", "unknown")
@@ -763,253 +793,6 @@ def summarize_blocks(
         row["greedy_mean_hi"] = float(g["greedy_hi"].mean())
         rows.append(row)
     return pd.DataFrame(rows, columns=[*by, *SUMMARY_COLUMNS])
-
-
-# ---------------------------------------------------------------- SGLang's JSONL
-
-
-@dataclass(frozen=True)
-class JsonlError:
-    """One rejected line of an estimator JSONL file."""
-
-    line: int
-    reason: str
-    text: str = ""
-
-    def __str__(self) -> str:
-        return f"line {self.line}: {self.reason}"
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
-def _check_record(obj: dict[str, Any]) -> str | None:
-    """Structural problems of one step record (types, lengths); None when fine."""
-    missing = [k for k in ("rid", "fct", "w", "cl", "ct") if k not in obj]
-    if missing:
-        return f"missing key(s) {missing}"
-    if not isinstance(obj["rid"], str):
-        return f"'rid' must be a string, got {obj['rid']!r}"
-    for k in ("fct", "w", "cl", "ct"):
-        if not _is_int(obj[k]):
-            return f"'{k}' must be an integer, got {obj[k]!r}"
-    if obj["fct"] < 0:
-        return f"'fct' must be >= 0, got {obj['fct']}"
-    if not 0 <= obj["cl"] <= obj["w"]:
-        return f"need 0 <= cl <= w, got cl={obj['cl']} w={obj['w']}"
-    if obj["ct"] < 0:
-        return f"'ct' must be >= 0, got {obj['ct']}"
-    has_t, has_q = "trimmed_tokens" in obj, "q_lp" in obj
-    if has_t != has_q:
-        return "'trimmed_tokens' and 'q_lp' must come together"
-    if has_t:
-        t, q = obj["trimmed_tokens"], obj["q_lp"]
-        if not isinstance(t, list) or not all(_is_int(x) for x in t):
-            return "'trimmed_tokens' must be a list of integers"
-        if not isinstance(q, list) or not all(_is_num(x) for x in q):
-            return "'q_lp' must be a list of numbers"
-        if len(t) != len(q) or not t:
-            return (
-                f"'trimmed_tokens' ({len(t)}) and 'q_lp' ({len(q)}) "
-                "must have one equal, non-zero length"
-            )
-        if any(math.isnan(x) or x == math.inf for x in q):
-            return "'q_lp' values must be log-probabilities (not NaN or +inf)"
-        if obj["cl"] != obj["w"]:
-            return (
-                "'trimmed_tokens' present but the window was not fully accepted "
-                f"(cl={obj['cl']} < w={obj['w']})"
-            )
-    if "pg" in obj:
-        pg = obj["pg"]
-        if not isinstance(pg, list):
-            return "'pg' must be a list"
-        for j, e in enumerate(pg):
-            ok = (
-                isinstance(e, list)
-                and len(e) == 5
-                and _is_int(e[0])
-                and _is_int(e[1])
-                and _is_num(e[2])
-                and _is_int(e[3])
-                and _is_int(e[4])
-            )
-            if not ok:
-                return (
-                    f"pg[{j}] must be [src_fct, k, target_logprob, draft_token, realized_token], "
-                    f"got {e!r}"
-                )
-            if math.isnan(e[2]) or e[2] == math.inf:
-                return f"pg[{j}] target_logprob must be a log-probability, got {e[2]!r}"
-    return None
-
-
-def parse_estimator_lines(
-    lines: Iterable[str],
-    gamma: int | None = None,
-    run_id: str = "sglang",
-    workloads: Mapping[str, str] | None = None,
-) -> tuple[pd.DataFrame, list[JsonlError]]:
-    """The parser behind :func:`read_estimator_jsonl`, for any iterable of lines."""
-    errors: list[JsonlError] = []
-    records: list[tuple[int, dict[str, Any]]] = []
-    markers: list[tuple[int, str, list[int]]] = []
-    seen: dict[tuple[str, int], int] = {}
-    for lineno, raw in enumerate(lines, start=1):
-        text = raw.strip()
-        if not text:
-            continue
-        short = text if len(text) <= 200 else text[:197] + "..."
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as exc:
-            errors.append(
-                JsonlError(lineno, f"not valid JSON ({exc.msg} at column {exc.colno})", short)
-            )
-            continue
-        if not isinstance(obj, dict):
-            errors.append(
-                JsonlError(lineno, f"expected a JSON object, got {type(obj).__name__}", short)
-            )
-            continue
-        if "eos_end" in obj:
-            fcts = obj["eos_end"]
-            if not isinstance(obj.get("rid"), str):
-                errors.append(JsonlError(lineno, "eos_end record needs a string 'rid'", short))
-            elif not isinstance(fcts, list) or not all(_is_int(x) for x in fcts):
-                errors.append(
-                    JsonlError(lineno, "'eos_end' must be a list of integer forward counts", short)
-                )
-            else:
-                markers.append((lineno, obj["rid"], fcts))
-            continue
-        problem = _check_record(obj)
-        if problem:
-            errors.append(JsonlError(lineno, problem, short))
-            continue
-        key = (obj["rid"], obj["fct"])
-        if key in seen:
-            errors.append(
-                JsonlError(
-                    lineno,
-                    f"duplicate record for rid={key[0]!r} fct={key[1]} (first on line {seen[key]})",
-                    short,
-                )
-            )
-            continue
-        seen[key] = lineno
-        records.append((lineno, obj))
-
-    # gamma: given, or implied by censored records (w + number of trimmed drafts)
-    implied = [o["w"] + len(o["trimmed_tokens"]) for _, o in records if "trimmed_tokens" in o]
-    if gamma is None:
-        if implied:
-            values, counts = np.unique(implied, return_counts=True)
-            gamma = int(values[counts == counts.max()].max())  # most common; ties: larger
-        else:
-            gamma = max((o["w"] for _, o in records), default=0)
-    kept: list[tuple[int, dict[str, Any]]] = []
-    for lineno, o in records:
-        short = json.dumps(o)[:200]
-        if o["w"] > gamma:
-            errors.append(JsonlError(lineno, f"w={o['w']} exceeds gamma={gamma}", short))
-        elif o["cl"] + o["ct"] > gamma:
-            errors.append(
-                JsonlError(lineno, f"cl + ct = {o['cl'] + o['ct']} exceeds gamma={gamma}", short)
-            )
-        elif "trimmed_tokens" in o and len(o["trimmed_tokens"]) != gamma - o["w"]:
-            errors.append(
-                JsonlError(
-                    lineno,
-                    f"{len(o['trimmed_tokens'])} trimmed tokens, "
-                    f"expected gamma - w = {gamma - o['w']}",
-                    short,
-                )
-            )
-        elif "trimmed_tokens" not in o and o["cl"] == o["w"] < gamma:
-            errors.append(
-                JsonlError(
-                    lineno, "censored record (cl == w < gamma) lacks trimmed_tokens/q_lp", short
-                )
-            )
-        elif any(not 1 <= e[1] <= gamma for e in o.get("pg", [])):
-            errors.append(JsonlError(lineno, f"pg offset k outside 1..gamma={gamma}", short))
-        else:
-            kept.append((lineno, o))
-
-    index = {(o["rid"], o["fct"]): i for i, (_, o) in enumerate(kept)}
-    eos = np.zeros(len(kept), dtype=bool)
-    for lineno, rid, fcts in markers:
-        for f in fcts:
-            i = index.get((rid, f))
-            if i is None:
-                errors.append(
-                    JsonlError(
-                        lineno, f"eos_end names fct={f} of rid={rid!r}, which has no kept record"
-                    )
-                )
-            else:
-                eos[i] = True
-    wl = workloads or {}
-    frame = pd.DataFrame(
-        {
-            "run_id": [run_id] * len(kept),
-            "dp_rank": np.zeros(len(kept), dtype=np.int64),
-            "rid": [o["rid"] for _, o in kept],
-            "forward_ct": np.array([o["fct"] for _, o in kept], dtype=np.int64),
-            "gamma": np.full(len(kept), gamma, dtype=np.int64),
-            "verify_len": np.array([o["w"] + 1 for _, o in kept], dtype=np.int64),
-            "correct_drafts": np.array([o["cl"] for _, o in kept], dtype=np.int64),
-            "cap_trim": np.array([o["ct"] for _, o in kept], dtype=np.int64),
-            "workload": [wl.get(o["rid"], "unknown") for _, o in kept],
-            "trimmed_tokens": [o.get("trimmed_tokens") for _, o in kept],
-            "q_lp": [o.get("q_lp") for _, o in kept],
-            "pg": [
-                [
-                    dict(
-                        zip(
-                            ("src_fct", "k", "target_logprob", "draft_token", "realized_token"),
-                            e,
-                            strict=True,
-                        )
-                    )
-                    for e in o["pg"]
-                ]
-                if "pg" in o
-                else None
-                for _, o in kept
-            ],
-            "eos_end": eos,
-            "line": np.array([ln for ln, _ in kept], dtype=np.int64),
-        }
-    )
-    errors.sort(key=lambda e: e.line)
-    return frame, errors
-
-
-def read_estimator_jsonl(
-    path: str | os.PathLike[str],
-    gamma: int | None = None,
-    run_id: str = "sglang",
-    workloads: Mapping[str, str] | None = None,
-) -> tuple[pd.DataFrame, list[JsonlError]]:
-    """Parse SGLang's SGLANG_DSPARK_BLOCK_ACCEPT_ESTIMATE_PATH file into req_steps-like rows.
-
-    Returns (frame, errors): bad lines (invalid JSON, missing keys, wrong types, w/cl out of
-    range, inconsistent lengths, duplicates) are reported with their 1-based line number and
-    skipped; the rest are kept. Frame columns: run_id, dp_rank, rid, forward_ct, gamma,
-    verify_len (= w + 1), correct_drafts (= cl), cap_trim (= ct), workload (from
-    ``workloads`` {rid: name}, else "unknown"), trimmed_tokens, q_lp, pg (list of dicts with
-    the schema's PG field names), eos_end (block listed by an eos_end marker), line.
-    ``gamma`` (the file does not state it) is inferred from censored records when not given.
-    """
-    with open(path, encoding="utf-8") as fh:
-        return parse_estimator_lines(fh, gamma=gamma, run_id=run_id, workloads=workloads)
 
 
 # ---------------------------------------------------------------- validation

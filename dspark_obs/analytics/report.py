@@ -33,6 +33,7 @@ from dspark_obs.analytics.calibration import (
 from dspark_obs.analytics.companion import CompanionDivergence, find_companion, pair_companion
 from dspark_obs.analytics.estimator import estimate_blocks, validate_estimator
 from dspark_obs.analytics.sts import (
+    MIN_HELDOUT_REQUESTS,
     StsCalibration,
     fit_sts_heldout,
     pooled_ece,
@@ -55,12 +56,15 @@ WORKLOAD_ESTIMATE = (
     "est_lo",
     "est_mid",
     "est_hi",
+    "bracket_truth",
+    "truth_in_bracket",
     "est_point",
     "est_ci_lo",
     "est_ci_hi",
-    "truth_in_bracket",
     "ece_raw",
+    "ece_sts_before",
     "ece_sts",
+    "sts_note",
 )
 WORKLOAD_TABLE = (*WORKLOAD_KEYS, *WORKLOAD_CEILING, *WORKLOAD_ESTIMATE)
 
@@ -82,9 +86,12 @@ HEADERS = {
     "est_point": "est point",
     "est_ci_lo": "ci lo",
     "est_ci_hi": "ci hi",
+    "bracket_truth": "uncut ceiling",
     "truth_in_bracket": "in [lo,hi]",
     "ece_raw": "ECE raw",
-    "ece_sts": "ECE STS",
+    "ece_sts_before": "ECE judged raw",
+    "ece_sts": "ECE judged STS",
+    "sts_note": "STS note",
 }
 
 
@@ -147,9 +154,14 @@ class Report:
         parts += [
             "window = mean verify_len (anchor included); ceiling = acc_len + cap_trim from the "
             "cap-accept companion; est = block-accept estimate from the compact run alone (SGLang "
-            "bracket [lo, hi], point and its bootstrap interval over requests); ECE: SGLang's "
-            "15-bin definition pooled over "
-            "observed positions, STS on held-out requests unless a calibration was given.",
+            "bracket [lo, hi], point and its bootstrap interval over requests). 'in [lo,hi]' is "
+            "judged against the value printed beside it, the companion's *uncut* ceiling "
+            "(correct_drafts + 1 + cap_trim, SGLang's convention; it differs from 'ceiling' only "
+            "on requests' EOS- or length-cut final steps); point and its interval are judged "
+            "against 'ceiling'. ECE: SGLang's 15-bin definition pooled over observed positions "
+            "(raw: all requests); 'ECE judged raw' -> 'ECE judged STS' are on the same requests "
+            "(held-out ones unless a calibration was given); 'STS note' flags too few of them "
+            "or an ECE that got worse.",
             "",
         ]
         sections = [
@@ -167,11 +179,15 @@ class Report:
             parts += ["## STS", ""]
             for run, info in self.sts.items():
                 temps = ", ".join(f"{t:.3g}" for t in info.get("temperatures", []))
+                ci = info.get("ece_after_ci")
+                ci_text = f" [95%: {format_cell(ci[0])}, {format_cell(ci[1])}]" if ci else ""
                 parts.append(
                     f"- {run}: temperatures [{temps}]; "
                     f"ECE {format_cell(info.get('ece_before'))} -> "
-                    f"{format_cell(info.get('ece_after'))} ({info.get('evaluation', '')})"
+                    f"{format_cell(info.get('ece_after'))}{ci_text} "
+                    f"({info.get('evaluation', '')})"
                 )
+                parts += [f"  - **CAVEAT** {c}" for c in info.get("caveats", [])]
             parts.append("")
         if len(self.divergences):
             parts += [
@@ -219,12 +235,15 @@ class Report:
                 for c in (
                     "run_id",
                     "workload",
-                    "truth_mean_ceiling",
                     "mean_lo",
                     "mean_hi",
-                    "mean_point",
-                    "point_pct_err",
+                    "truth_mean_uncut",
                     "inside_bracket",
+                    "mean_point",
+                    "point_ci_lo",
+                    "point_ci_hi",
+                    "truth_mean_ceiling",
+                    "point_pct_err",
                     "interval_covers",
                 )
                 if c in v.columns
@@ -280,6 +299,16 @@ def _split_companions(
         else pd.Series(False, index=rq.index)
     )
     return rs.loc[~in_c], rq.loc[~rq_c], rs.loc[in_c], rq.loc[rq_c]
+
+
+def _sts_note(requests: Any, before: float, after: float) -> str:
+    """What a reader must know before trusting one workload's ECE before -> after."""
+    notes = []
+    if isinstance(requests, int | np.integer) and requests < MIN_HELDOUT_REQUESTS:
+        notes.append(f"only {int(requests)} requests")
+    if np.isfinite(before) and np.isfinite(after) and after > before:
+        notes.append("WORSE after STS")
+    return "; ".join(notes)
 
 
 def _mode(rn: pd.DataFrame, run_id: str) -> str:
@@ -387,46 +416,86 @@ def build_report(
         )
 
         # STS: judge given temperatures on everything, or fit on part and judge the rest
-        wk["ece_sts"] = np.nan
         try:
             data = sts_data_from_req_steps(rows, runs=rn if len(rn) else None)
             if len(data.logits) == 0:
                 raise ValueError("no step carries a full confidence vector")
             if temps is not None:
-                per = {}
+                rows_by = []
                 for w in sorted(set(data.workload.tolist())):
-                    sel = data.workload == w
-                    per[w] = pooled_ece(
-                        data.logits[sel], data.prefix_mask[sel], temps, data.observed[sel], n_bins
+                    part = data.subset(data.workload == w)
+                    rows_by.append(
+                        {
+                            "workload": w,
+                            "requests": int(np.unique(part.request).size),
+                            "ece_before": pooled_ece(
+                                part.logits, part.prefix_mask, None, part.observed, n_bins
+                            ),
+                            "ece_after": pooled_ece(
+                                part.logits, part.prefix_mask, temps, part.observed, n_bins
+                            ),
+                        }
+                    )
+                by_wl = pd.DataFrame(
+                    rows_by, columns=["workload", "requests", "ece_before", "ece_after"]
+                )
+                before = pooled_ece(data.logits, data.prefix_mask, None, data.observed, n_bins)
+                after = pooled_ece(data.logits, data.prefix_mask, temps, data.observed, n_bins)
+                caveats = []
+                if after > before:
+                    caveats.append(
+                        f"ECE with the given temperatures {after:.4f} is WORSE than without "
+                        f"{before:.4f}; do not serve them for this traffic"
                     )
                 sts_info[run] = {
                     "temperatures": temps,
                     "evaluation": "given temperatures, all requests",
-                    "ece_before": pooled_ece(
-                        data.logits, data.prefix_mask, None, data.observed, n_bins
-                    ),
-                    "ece_after": pooled_ece(
-                        data.logits, data.prefix_mask, temps, data.observed, n_bins
-                    ),
+                    "ece_before": before,
+                    "ece_after": after,
+                    "caveats": caveats,
                 }
             else:
-                ho = fit_sts_heldout(data, heldout_frac=heldout_frac, seed=seed, n_bins=n_bins)
-                per = dict(
-                    zip(ho.by_workload["workload"], ho.by_workload["ece_after"], strict=True)
+                ho = fit_sts_heldout(
+                    data, heldout_frac=heldout_frac, seed=seed, n_bins=n_bins, n_boot=n_boot
                 )
+                by_wl = ho.by_workload
+                caveats = ho.caveats()
                 sts_info[run] = {
                     "temperatures": ho.calibration.temperatures,
                     "calibration": ho.calibration.to_dict(),
                     "evaluation": (
                         f"fit on {ho.fit_requests} requests, held-out {ho.heldout_requests}"
                     ),
+                    "fit_requests": ho.fit_requests,
+                    "heldout_requests": ho.heldout_requests,
                     "ece_before": ho.pooled_before,
                     "ece_after": ho.pooled_after,
+                    "ece_after_ci": list(ho.after_ci),
+                    "ece_change_ci": list(ho.change_ci),
+                    "caveats": caveats,
                     "ece_before_per_position": ho.ece_before,
                     "ece_after_per_position": ho.ece_after,
                     "by_workload": ho.by_workload,
                 }
-            wk["ece_sts"] = wk["workload"].map(per)
+            warn_list.extend(f"{run}: STS {c}" for c in caveats)
+            wk = wk.merge(
+                by_wl[["workload", "ece_before", "ece_after"]].rename(
+                    columns={"ece_before": "ece_sts_before", "ece_after": "ece_sts"}
+                ),
+                on="workload",
+                how="left",
+            )
+            wk["sts_note"] = [
+                _sts_note(n, b, a)
+                for n, b, a in zip(
+                    wk["workload"].map(
+                        dict(zip(by_wl["workload"], by_wl["requests"], strict=True))
+                    ),
+                    wk["ece_sts_before"],
+                    wk["ece_sts"],
+                    strict=True,
+                )
+            ]
         except ValueError as exc:
             warn_list.append(f"{run}: STS not evaluated ({exc})")
 
@@ -494,9 +563,12 @@ def build_report(
             if comp is not None:
                 val = validate_estimator(summ, comp, by=("workload",))
                 tables["validation"].append(_with_run(val, run))
-                wk = wk.merge(
-                    val[["workload", "inside_bracket"]].rename(
-                        columns={"inside_bracket": "truth_in_bracket"}
+                wk = wk.merge(  # the verdict next to the very value it was judged against
+                    val[["workload", "truth_mean_uncut", "inside_bracket"]].rename(
+                        columns={
+                            "truth_mean_uncut": "bracket_truth",
+                            "inside_bracket": "truth_in_bracket",
+                        }
                     ),
                     on="workload",
                     how="left",

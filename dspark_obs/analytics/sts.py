@@ -34,11 +34,18 @@ import pandas as pd
 
 from dspark_obs.analytics._frames import FrameLike, request_keys, text_column
 from dspark_obs.analytics.calibration import N_BINS, ece, wide_labels
+from dspark_obs.engine._jsonfile import read_json_file
 
 GRID_SIZE = 41
 # Confidences are stored rounded to 4 decimals; 0.0 / 1.0 would give infinite logits.
 # Clamp half a rounding unit in from the ends.
 CONF_EPS = 5e-5
+
+MAX_GAMMA = 64
+"""Most positions accepted from an STS file or shard (SGLang deploys gamma 5..7)."""
+
+MAX_SHARD_BYTES = 4 * 2**30
+"""Largest shard file loaded (4 GiB: ~150M rows at gamma 7)."""
 
 
 class StsFileError(ValueError):
@@ -172,7 +179,7 @@ class StsCalibration:
         """Parse and validate; every error names ``source`` and what is wrong."""
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:
             raise StsFileError(f"{source}: not valid JSON ({exc})") from None
         return cls.from_dict(data, source=source, gamma=gamma)
 
@@ -189,23 +196,25 @@ class StsCalibration:
         if problem:
             raise StsFileError(f"{source}: {problem}")
         n = len(temps)
+        if n > MAX_GAMMA:
+            raise StsFileError(f"{source}: {n} temperatures; at most {MAX_GAMMA} positions")
         if gamma is not None and n != gamma:
             raise StsFileError(f"{source}: has {n} temperatures but gamma is {gamma}")
         dataset = data.get("dataset", "")
         if not isinstance(dataset, str):
-            raise StsFileError(f"{source}: 'dataset' must be a string, got {dataset!r}")
+            raise StsFileError(f"{source}: 'dataset' must be a string, got {_short(dataset)}")
         num = data.get("num_samples", 0)
         if isinstance(num, bool) or not isinstance(num, int) or num < 0:
             raise StsFileError(
-                f"{source}: 'num_samples' must be a non-negative integer, got {num!r}"
+                f"{source}: 'num_samples' must be a non-negative integer, got {_short(num)}"
             )
         lists = {}
         for name in ("ece_before", "ece_after"):
             v = data.get(name, [])
             if not isinstance(v, list) or any(
-                isinstance(x, bool) or not isinstance(x, int | float) for x in v
+                isinstance(x, bool) or not isinstance(x, int | float) or not 0 <= x <= 1 for x in v
             ):
-                raise StsFileError(f"{source}: '{name}' must be a list of numbers")
+                raise StsFileError(f"{source}: '{name}' must be a list of ECE values in [0, 1]")
             if v and len(v) != n:
                 raise StsFileError(
                     f"{source}: '{name}' has {len(v)} values but there are {n} temperatures"
@@ -215,11 +224,13 @@ class StsCalibration:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], gamma: int | None = None) -> StsCalibration:
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise StsFileError(f"{path}: cannot read ({exc.strerror or exc})") from None
-        return cls.from_json(text, source=str(path), gamma=gamma)
+        """Read and validate a file; any bytes give an :class:`StsFileError` naming it."""
+        return cls.from_dict(read_json_file(path, StsFileError), source=str(path), gamma=gamma)
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else f"{text[:40]}... ({type(v).__name__})"
 
 
 def _temperature_problem(temps: Any) -> str | None:
@@ -227,9 +238,9 @@ def _temperature_problem(temps: Any) -> str | None:
         return "'temperatures' must be a non-empty list"
     for i, t in enumerate(temps):
         if isinstance(t, bool) or not isinstance(t, int | float | np.floating | np.integer):
-            return f"temperatures[{i}] = {t!r} is not a number"
-        if not math.isfinite(float(t)) or float(t) <= 0:
-            return f"temperatures[{i}] = {t!r} must be finite and > 0"
+            return f"temperatures[{i}] = {_short(t)} is not a number"
+        if not 0 < t <= 1e30:  # compared exactly (a 400-digit int does not overflow); NaN fails
+            return f"temperatures[{i}] = {_short(t)} must be finite and > 0"
     return None
 
 
@@ -310,7 +321,6 @@ class StsData:
 
 def load_sts_shards(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> StsData:
     """Read SGLang collection shards (a glob or a list of paths), concatenated in sorted order."""
-    import torch
 
     if isinstance(paths, str | os.PathLike):
         files = sorted(glob.glob(str(paths)))
@@ -322,19 +332,7 @@ def load_sts_shards(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[s
             raise StsFileError("no STS shard given")
     logits, masks, gamma = [], [], None
     for f in files:
-        try:
-            shard = torch.load(f, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - torch raises many kinds; name the file
-            raise StsFileError(f"{f}: cannot load shard ({exc})") from None
-        if not isinstance(shard, Mapping) or "logits" not in shard or "prefix_mask" not in shard:
-            raise StsFileError(f"{f}: expected a dict with 'logits' and 'prefix_mask'")
-        lg = np.asarray(shard["logits"].detach().cpu().to(torch.float64).numpy())
-        pm = np.asarray(shard["prefix_mask"].detach().cpu().to(torch.float64).numpy())
-        if lg.ndim != 2 or lg.shape != pm.shape:
-            raise StsFileError(
-                f"{f}: logits {tuple(lg.shape)} / prefix_mask {tuple(pm.shape)} "
-                "must be equal [n, gamma]"
-            )
+        lg, pm = _read_shard(f)
         if gamma is None:
             gamma = lg.shape[1]
         elif lg.shape[1] != gamma:
@@ -346,6 +344,57 @@ def load_sts_shards(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[s
     lg = np.concatenate(logits)
     pm = np.concatenate(masks)
     return StsData(lg, pm, np.ones(lg.shape, dtype=bool))
+
+
+def _read_shard(f: str) -> tuple[np.ndarray, np.ndarray]:
+    """One shard's (logits, prefix_mask) as float64 [n, gamma], validated field by field."""
+    import torch
+
+    try:
+        size = os.path.getsize(f)
+    except OSError as exc:
+        raise StsFileError(f"{f}: cannot read ({exc.strerror or exc})") from None
+    if size > MAX_SHARD_BYTES:
+        raise StsFileError(f"{f}: {size} bytes, above the {MAX_SHARD_BYTES // 2**30} GiB cap")
+    try:  # weights_only: a shard from outside must not run code while unpickling
+        shard = torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises many kinds; name the file
+        raise StsFileError(f"{f}: cannot load shard ({type(exc).__name__}: {exc})"[:500]) from None
+    if not isinstance(shard, Mapping) or "logits" not in shard or "prefix_mask" not in shard:
+        raise StsFileError(f"{f}: expected a dict with 'logits' and 'prefix_mask'")
+    out = []
+    for name in ("logits", "prefix_mask"):
+        t = shard[name]
+        if not isinstance(t, torch.Tensor):
+            raise StsFileError(f"{f}: '{name}' must be a tensor, got {type(t).__name__}")
+        if t.is_complex() or t.is_quantized or t.is_meta or t.layout != torch.strided:
+            raise StsFileError(f"{f}: '{name}' has unusable dtype {t.dtype}")
+        if t.ndim != 2 or not 1 <= t.shape[1] <= MAX_GAMMA:
+            raise StsFileError(
+                f"{f}: '{name}' must be [n, gamma] with gamma in 1..{MAX_GAMMA}, "
+                f"got shape {tuple(t.shape)}"
+            )
+        out.append(t.detach().cpu().to(torch.float64).numpy())
+    lg, pm = out
+    if lg.shape != pm.shape:
+        raise StsFileError(
+            f"{f}: logits {lg.shape} / prefix_mask {pm.shape} must be equal [n, gamma]"
+        )
+    bad = ~np.isfinite(lg)
+    if bad.any():
+        row, col = (int(x) for x in np.argwhere(bad)[0])
+        raise StsFileError(
+            f"{f}: 'logits' row {row} position {col} is {lg[row, col]}; "
+            f"{int(bad.sum())} non-finite value(s)"
+        )
+    bad = (pm != 0) & (pm != 1)
+    if bad.any():
+        row, col = (int(x) for x in np.argwhere(bad)[0])
+        raise StsFileError(
+            f"{f}: 'prefix_mask' row {row} position {col} is {pm[row, col]}; "
+            f"every value must be 0 or 1 ({int(bad.sum())} bad)"
+        )
+    return lg, pm
 
 
 def save_sts_shard(
@@ -402,7 +451,39 @@ class StsHeldout:
     ece_after: list[float]  # per position, held-out, fitted T
     pooled_before: float
     pooled_after: float
-    by_workload: pd.DataFrame  # workload, samples, ece_before, ece_after (pooled, held-out)
+    by_workload: pd.DataFrame  # workload, requests, samples, ece_before, ece_after (held-out)
+    after_ci: tuple[float, float] = (float("nan"), float("nan"))
+    """Bootstrap interval (over held-out requests) of ``pooled_after``."""
+    change_ci: tuple[float, float] = (float("nan"), float("nan"))
+    """Bootstrap interval of ``pooled_after - pooled_before`` (same resamples)."""
+
+    @property
+    def few_heldout(self) -> bool:
+        """Too few held-out requests for the ECE comparison to mean much."""
+        return self.heldout_requests < MIN_HELDOUT_REQUESTS
+
+    @property
+    def worse(self) -> bool:
+        """ECE after STS is higher than before on the held-out requests."""
+        return bool(self.pooled_after > self.pooled_before)
+
+    def caveats(self) -> list[str]:
+        """Plain-language flags a reader must see next to the numbers (empty when none)."""
+        out = []
+        lo, hi = self.after_ci
+        if self.few_heldout:
+            out.append(
+                f"judged on only {self.heldout_requests} held-out request(s) (fit on "
+                f"{self.fit_requests}): ECE after {self.pooled_after:.4f}, 95% interval "
+                f"[{lo:.4f}, {hi:.4f}]; too few to trust (want >= {MIN_HELDOUT_REQUESTS})"
+            )
+        if self.worse:
+            out.append(
+                f"ECE after STS {self.pooled_after:.4f} is WORSE than before "
+                f"{self.pooled_before:.4f} on held-out requests (change interval "
+                f"[{self.change_ci[0]:+.4f}, {self.change_ci[1]:+.4f}]); do not serve these"
+            )
+        return out
 
 
 def split_requests(keys: np.ndarray, heldout_frac: float, seed: int) -> np.ndarray:
@@ -417,10 +498,67 @@ def split_requests(keys: np.ndarray, heldout_frac: float, seed: int) -> np.ndarr
     return np.array([k in held for k in np.asarray(keys, dtype=str)], dtype=bool)
 
 
+MIN_HELDOUT_REQUESTS = 20
+"""Fewer held-out requests than this and a report flags the STS comparison as untrustworthy."""
+
+
+def _request_bins(
+    test: StsData, temperatures: Sequence[float] | None, inverse: np.ndarray, n: int, n_bins: int
+) -> np.ndarray:
+    """Per request, the ECE bin sums (count, pred sum, label sum): [3, n_requests, n_bins]."""
+    from dspark_obs.analytics.calibration import bin_index, clamp_probs
+
+    t = np.ones(test.gamma) if temperatures is None else np.asarray(temperatures, np.float64)
+    s = survival(apply_sts(test.logits, t))
+    obs = np.asarray(test.observed, dtype=bool)
+    p = clamp_probs(s[obs])
+    y = np.asarray(test.prefix_mask, dtype=np.float64)[obs]
+    req = np.broadcast_to(inverse[:, None], obs.shape)[obs]
+    cell = req * n_bins + bin_index(p, n_bins)
+    size = n * n_bins
+    return np.stack(
+        [
+            np.bincount(cell, minlength=size).astype(np.float64),
+            np.bincount(cell, weights=p, minlength=size),
+            np.bincount(cell, weights=y, minlength=size),
+        ]
+    ).reshape(3, n, n_bins)
+
+
+def _heldout_intervals(
+    test: StsData, temperatures: Sequence[float], n_bins: int, n_boot: int, seed: int
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """Percentile intervals of ECE after, and of after - before, resampling whole requests.
+
+    Each request's bin sums are computed once; a resample is a weighted sum of them, so the
+    bootstrap costs one matrix product instead of ``n_boot`` ECE passes.
+    """
+    from dspark_obs.analytics._frames import bootstrap_weights, quantile_interval
+    from dspark_obs.analytics.calibration import _ece_from_bins
+
+    nan = (float("nan"), float("nan"))
+    if test.request is None or len(test.logits) == 0 or n_boot < 1:
+        return nan, nan
+    keys, inverse = np.unique(np.asarray(test.request, dtype=str), return_inverse=True)
+    w = bootstrap_weights(keys.size, n_boot, seed)  # [n_boot, n_requests]
+    after = _ece_from_bins(
+        *np.einsum("br,krm->kbm", w, _request_bins(test, temperatures, inverse, keys.size, n_bins))
+    )
+    before = _ece_from_bins(
+        *np.einsum("br,krm->kbm", w, _request_bins(test, None, inverse, keys.size, n_bins))
+    )
+    return quantile_interval(after, 0.95), quantile_interval(after - before, 0.95)
+
+
 def fit_sts_heldout(
-    data: StsData, heldout_frac: float = 0.3, seed: int = 0, n_bins: int = N_BINS
+    data: StsData,
+    heldout_frac: float = 0.3,
+    seed: int = 0,
+    n_bins: int = N_BINS,
+    n_boot: int = 200,
 ) -> StsHeldout:
-    """Fit on a request split, report ECE before/after on held-out requests only."""
+    """Fit on a request split, report ECE before/after on held-out requests only, with
+    bootstrap intervals over the held-out requests (``n_boot`` resamples)."""
     if data.request is None:
         raise ValueError("a request split needs StsData.request")
     held = split_requests(data.request, heldout_frac, seed)
@@ -428,6 +566,7 @@ def fit_sts_heldout(
     if len(fit_part.logits) == 0:
         raise ValueError("no request left to fit on")
     cal = fit_sts(fit_part.logits, fit_part.prefix_mask, fit_part.observed, n_bins=n_bins)
+    after_ci, change_ci = _heldout_intervals(test, cal.temperatures, n_bins, n_boot, seed)
     rows = []
     if test.workload is not None:
         for wk in sorted(set(test.workload.tolist())):
@@ -436,6 +575,9 @@ def fit_sts_heldout(
             rows.append(
                 {
                     "workload": wk,
+                    "requests": int(np.unique(part.request).size)
+                    if part.request is not None
+                    else 0,
                     "samples": int(part.observed.sum()),
                     "ece_before": pooled_ece(
                         part.logits, part.prefix_mask, None, part.observed, n_bins
@@ -459,5 +601,9 @@ def fit_sts_heldout(
         pooled_after=pooled_ece(
             test.logits, test.prefix_mask, cal.temperatures, test.observed, n_bins
         ),
-        by_workload=pd.DataFrame(rows, columns=["workload", "samples", "ece_before", "ece_after"]),
+        by_workload=pd.DataFrame(
+            rows, columns=["workload", "requests", "samples", "ece_before", "ece_after"]
+        ),
+        after_ci=after_ci,
+        change_ci=change_ci,
     )

@@ -16,7 +16,7 @@ app = typer.Typer(
 )
 
 # One module per area; each defines register(app). Kept in data-flow order for --help.
-_AREAS = ("store", "engine", "run", "analytics", "sinks", "sglang")
+_AREAS = ("store", "engine", "run", "analytics", "sinks", "sglang", "bench", "dashboard")
 
 for _area in _AREAS:
     try:

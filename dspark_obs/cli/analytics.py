@@ -115,10 +115,14 @@ def fit_sts_command(
     cal.dataset = f"run:{run_id}"
     cal.save(out)
     typer.echo(f"T = {[round(t, 3) for t in cal.temperatures]}")
+    lo, hi = res.after_ci
     typer.echo(
         f"held-out ECE (pooled): {res.pooled_before:.4f} -> {res.pooled_after:.4f} "
-        f"({res.fit_requests} fit / {res.heldout_requests} held-out requests)"
+        f"[95%: {lo:.4f}, {hi:.4f}] ({res.fit_requests} fit / {res.heldout_requests} "
+        "held-out requests)"
     )
+    for caveat in res.caveats():
+        typer.echo(f"CAVEAT: {caveat}", err=True)
     typer.echo(f"wrote {out}", err=True)
 
 
@@ -135,14 +139,17 @@ def ingest_estimator_command(
     from rich.console import Console
     from rich.table import Table
 
-    from dspark_obs.analytics import estimate_blocks, read_estimator_jsonl
+    from dspark_obs.analytics import EstimatorFileError, estimate_blocks, read_estimator_jsonl
 
     console = Console()
     if not console.is_terminal:
         console = Console(width=max(console.width, 132))
     if not path.is_file():
         raise _fail(f"{path}: no such file")
-    frame, errors = read_estimator_jsonl(path, gamma=gamma)
+    try:
+        frame, errors = read_estimator_jsonl(path, gamma=gamma)
+    except (EstimatorFileError, ValueError) as exc:
+        raise _fail(str(exc)) from exc
     for err in errors[:20]:
         console.print(f"{path}:{err.line}: {err.reason} (skipped)", style="yellow", markup=False)
     if len(errors) > 20:

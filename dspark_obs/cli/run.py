@@ -54,11 +54,27 @@ def run_command(
     store: StoreOpt = Path("store"),
     run_id: Annotated[str | None, typer.Option(help="Run id (default: random).")] = None,
     device: Annotated[str, typer.Option(help="cpu | cuda.")] = "cpu",
+    estimator_rows: Annotated[
+        str,
+        typer.Option(
+            help="Block-accept estimator fields: all (exact under top-k / top-p too) | sglang "
+            "(none on greedy or top-k / top-p rows, as SGLang's recorder)."
+        ),
+    ] = "all",
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(help="Expose the run live at http://127.0.0.1:PORT/metrics (Prometheus)."),
+    ] = None,
+    otlp_endpoint: Annotated[
+        str | None,
+        typer.Option(help="Export metrics and one span per request over OTLP/HTTP to this URL."),
+    ] = None,
 ) -> None:
     """Run DSpark on SmolLM2-135M with the shipped drafter and store every step's records."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from dspark_obs.analytics.sts import StsCalibration
     from dspark_obs.engine.costs import CostTableError
     from dspark_obs.engine.loop import EngineConfig, EngineError
     from dspark_obs.engine.session import (
@@ -83,6 +99,7 @@ def run_command(
             lag_steps=lag,
             max_batch=max_batch,
             cost_table=load_cost_table(cost_table, device),
+            estimator_rows=estimator_rows,
         )
         if workload_file is not None:
             traffic = load_traffic(workload_file)
@@ -98,11 +115,16 @@ def run_command(
                 temperature=temperature,
             )
             label = workload
+        # every file is read and checked before the model loads and before the first record
+        temps = None if sts is None else StsCalibration.load(sts, gamma=gamma).temperatures
         with console.status("loading SmolLM2-135M and the drafter"):
-            models = load_models(drafter, device=device, sts=sts)
+            models = load_models(drafter, device=device, sts=temps)
         reqs = traffic_to_requests(traffic, models.tokenizer)
         rid = run_id or new_run_id(mode)
         sink = Store(store)
+        from dspark_obs.sinks.serve import telemetry_sinks
+
+        live = telemetry_sinks(metrics_port, otlp_endpoint)
         with Progress(
             TextColumn("{task.description}"),
             BarColumn(),
@@ -121,7 +143,7 @@ def run_command(
                 models,
                 reqs,
                 config,
-                [sink],
+                [sink, *live],
                 rid,
                 companion=companion,
                 workload=label,
@@ -133,8 +155,13 @@ def run_command(
             if r is not None:
                 sink.compact(run_id=r.run_id)  # one segment per table: faster queries
         sink.close()
+        for live_sink in live:
+            live_sink.close()
     except (EngineError, CostTableError, WorkloadFileError, StoreError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    except OSError as exc:  # e.g. a --workload-file that does not exist
+        console.print(f"[red]error:[/red] {exc.filename or ''}: {exc.strerror or exc}")
         raise typer.Exit(2) from exc
     for res in (main, comp):
         if res is None:

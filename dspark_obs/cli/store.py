@@ -1,5 +1,5 @@
-"""Store commands: ``query`` (read-only SQL), ``export`` (Parquet), ``store-info`` and
-``store-compact``.
+"""Store commands: ``query`` (read-only SQL), ``export`` (Parquet), ``store-info``,
+``store-compact`` and ``store-check`` (damaged or foreign files; ``--repair`` sets them aside).
 
 The store directory comes from ``--store``, else $DSPARK_OBS_STORE, else ``./store``.
 Errors print one clear line on stderr, never a traceback: exit 2 for a refused (writing)
@@ -13,6 +13,7 @@ import datetime as dt
 import decimal
 import json
 import sys
+import warnings
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -25,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from dspark_obs.store import QueryRefused, Store, StoreError
+from dspark_obs.store import QueryRefused, Store, StoreError, StoreWarning
 
 STORE_ENV = "DSPARK_OBS_STORE"
 
@@ -70,11 +71,15 @@ def query(
     """Run read-only SQL against the store (safe while a run is being written)."""
     _warn_missing(store)
     try:
-        result = Store(store).query(sql)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", StoreWarning)
+            result = Store(store).query(sql)
     except QueryRefused as exc:
         raise _fail(str(exc), 2) from None
     except (StoreError, duckdb.Error) as exc:
         raise _fail(str(exc), 1) from None
+    for w in (w for w in caught if issubclass(w.category, StoreWarning)):
+        Console(stderr=True).print(Text.assemble(("note: ", "yellow"), str(w.message)))
     if fmt is Format.csv:
         _print_csv(result)
     elif fmt is Format.json:
@@ -105,7 +110,7 @@ def export(
         counts = s.export(dest, run_id=run)
     except (StoreError, duckdb.Error, OSError) as exc:
         raise _fail(str(exc), 1) from None
-    out = Console()
+    out = Console(soft_wrap=True)  # one line per file, paths unbroken
     for table, n in counts.items():
         out.print(f"{dest / (table + '.parquet')}: {n:,} rows", highlight=False)
 
@@ -150,12 +155,55 @@ def compact(
             done = s.compact(run_id=run)
     except (StoreError, duckdb.Error, OSError) as exc:
         raise _fail(str(exc), 1) from None
-    out = Console()
+    out = Console(soft_wrap=True)
     for c in done:
         what = f"skipped ({c.skipped})" if c.skipped else (
             f"{c.segments_before} segments -> 1" if c.segments_before > 1 else "already 1 segment"
         )
         out.print(Text(f"{c.table} {c.run_id}: {c.rows:,} rows, {what}"))
+
+
+def store_check(
+    store: StoreOpt = Path("store"),
+    fix: Annotated[
+        bool,
+        typer.Option(
+            "--repair",
+            help="Move every damaged or foreign file to <store>/.quarantine/ (never deleted; "
+            "a .why.txt note beside each) and rebuild catalog.sql / catalog.duckdb.",
+        ),
+    ] = False,
+) -> None:
+    """List damaged files (truncated, zero-byte, wrong schema) and foreign files.
+
+    Exit 0 when the store is clean (or --repair fixed everything), 1 otherwise.
+
+    dspark-obs query skips damaged segments meanwhile; a duckdb shell fails on them.
+    """
+    from dspark_obs.store.check import check_store, repair
+
+    try:
+        findings = check_store(store)
+        repairs = repair(store, findings) if fix else []
+    except (StoreError, duckdb.Error, OSError) as exc:
+        raise _fail(str(exc), 1) from None
+    out = Console(soft_wrap=True)  # one finding per line, paths unbroken
+    if not findings:
+        out.print(f"store {store}: no damaged or foreign files", highlight=False)
+        return
+    if not fix:
+        for f in findings:
+            out.print(Text(str(f)))
+        out.print(f"{len(findings)} finding(s); `dspark-obs store-check --repair` sets them "
+                  "aside in the quarantine folder", highlight=False)
+        raise typer.Exit(1)
+    left = 0
+    for r in repairs:
+        where = f" -> {r.dest}" if r.dest is not None else ""
+        out.print(Text(f"{r.finding}: {r.note}{where}"))
+        left += r.dest is None and r.note not in ("rebuilt", "already gone")
+    if left:
+        raise typer.Exit(1)
 
 
 def register(app: typer.Typer) -> None:
@@ -164,6 +212,7 @@ def register(app: typer.Typer) -> None:
     app.command("export")(export)
     app.command("store-info")(store_info)
     app.command("store-compact")(compact)
+    app.command("store-check")(store_check)
 
 
 # ---------------------------------------------------------------------- formatting

@@ -53,7 +53,9 @@ __all__ = [
     "accept",
     "draw_uniforms",
     "greedy_accept",
+    "is_truncated",
     "process_logits",
+    "process_logprobs",
     "sample_accept",
 ]
 
@@ -277,6 +279,31 @@ def process_logits(
         x = torch.from_numpy(np.ascontiguousarray(logits))
         return _process(x, temperature, top_p, top_k).numpy()
     return _process(logits, temperature, top_p, top_k)
+
+
+def is_truncated(top_p: float, top_k: int) -> bool:
+    """Whether top-k / top-p cut the sampling distribution (SGLang's truncated-sampling mask)."""
+    return top_k != -1 or top_p != 1.0
+
+
+def process_logprobs(
+    logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = -1
+) -> torch.Tensor:
+    """Log of :func:`process_logits`'s distribution (``-inf`` where a filter removed a token).
+
+    Why: the block-accept estimator needs ``log p`` of the distribution acceptance really
+    used. Untruncated rows get ``log_softmax(logits / T)`` exactly (what SGLang's recorder
+    gathers); truncated rows keep exactly the tokens :func:`process_logits` keeps and
+    renormalize over them in log space. Greedy callers floor ``T`` first.
+    """
+    if not (math.isfinite(temperature) and temperature >= SAMPLING_EPS):
+        raise ValueError(f"temperature must be finite and >= {SAMPLING_EPS}, got {temperature}")
+    x = logits.to(torch.float64) / temperature
+    if not is_truncated(top_p, top_k):
+        return torch.log_softmax(x, dim=-1)
+    kept = process_logits(logits.to(torch.float64), temperature, top_p, top_k) > 0
+    x = x.masked_fill(~kept, float("-inf"))
+    return torch.log_softmax(x, dim=-1)
 
 
 def _process(x: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:

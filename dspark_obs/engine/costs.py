@@ -35,6 +35,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from dspark_obs.engine._jsonfile import read_json_file
+
 __all__ = [
     "AdditiveCostTable",
     "CostTable",
@@ -48,36 +50,52 @@ class CostTableError(ValueError):
     """A cost-table file or dict is malformed; the message names the source and the problem."""
 
 
+MAX_TOKENS = 2**31
+"""Largest probe / ``max_batch_tokens`` accepted (far above any batch; keeps int64 safe)."""
+
+MAX_SECONDS = 1e6
+"""Largest magnitude of a seconds / steps-per-sec value accepted."""
+
+
 def _fail(source: str, problem: str) -> CostTableError:
     return CostTableError(f"cost table {source}: {problem}")
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else f"{text[:40]}... ({type(v).__name__})"
 
 
 def _int_list(source: str, data: Mapping[str, Any], key: str) -> tuple[int, ...]:
     """A non-empty, strictly increasing list of ints (bools and floats refused, as msgspec does)."""
     raw = data[key]
     if not isinstance(raw, list) or not raw:
-        raise _fail(source, f"{key!r} must be a non-empty list of ints, got {raw!r}")
-    for v in raw:
+        raise _fail(source, f"{key!r} must be a non-empty list of ints, got {_short(raw)}")
+    for i, v in enumerate(raw):
         if isinstance(v, bool) or not isinstance(v, int):
-            raise _fail(source, f"{key!r} must hold ints, got {v!r}")
+            raise _fail(source, f"{key!r} must hold ints, got {key}[{i}] = {_short(v)}")
+        if not 0 <= v <= MAX_TOKENS:
+            raise _fail(source, f"{key}[{i}] = {_short(v)} is outside 0..{MAX_TOKENS}")
     for a, b in zip(raw, raw[1:], strict=False):
         if b <= a:
-            raise _fail(source, f"{key!r} must be strictly increasing, got {raw}")
+            raise _fail(source, f"{key!r} must be strictly increasing, got {_short(raw)}")
     return tuple(raw)
 
 
 def _float_list(source: str, data: Mapping[str, Any], key: str, n: int, probes: str) -> tuple:
     raw = data[key]
     if not isinstance(raw, list):
-        raise _fail(source, f"{key!r} must be a list of numbers, got {raw!r}")
+        raise _fail(source, f"{key!r} must be a list of numbers, got {_short(raw)}")
     if len(raw) != n:
         raise _fail(source, f"{key!r} has {len(raw)} values but {probes!r} has {n} probes")
     out = []
-    for v in raw:
+    for i, v in enumerate(raw):
         if isinstance(v, bool) or not isinstance(v, int | float):
-            raise _fail(source, f"{key!r} must hold numbers, got {v!r}")
-        if not math.isfinite(v):
-            raise _fail(source, f"{key!r} holds a non-finite number {v!r}")
+            raise _fail(source, f"{key!r} must hold numbers, got {key}[{i}] = {_short(v)}")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise _fail(source, f"{key}[{i}] holds a non-finite number {v!r}")
+        if not -MAX_SECONDS <= v <= MAX_SECONDS:  # compared exactly, also for huge ints
+            raise _fail(source, f"{key}[{i}] = {_short(v)} is beyond +-{MAX_SECONDS:g}")
         out.append(float(v))
     return tuple(out)
 
@@ -110,6 +128,11 @@ class CostTable(ABC):
         """Vectorized :meth:`step_seconds` over an int array of budgets."""
 
     extra: Mapping[str, Any]
+
+    @property
+    def uninitialized(self) -> bool:
+        """SGLang's "uninitialized" (flat) table: the planner verifies everything."""
+        return False
 
     @classmethod
     @abstractmethod
@@ -154,16 +177,7 @@ class CostTable(ABC):
     @staticmethod
     def load(path: str | os.PathLike[str]) -> CostTable:
         """Read a table file written by SGLang's profiler, by :meth:`save`, or by hand."""
-        source = str(path)
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise _fail(source, f"cannot read file ({exc})") from exc
-        try:
-            data = json.loads(text, parse_constant=_refuse_constant)
-        except ValueError as exc:
-            raise _fail(source, f"not valid JSON ({exc})") from exc
-        return CostTable.from_dict(data, source=source)
+        return CostTable.from_dict(read_json_file(path, _FileError), source=str(path))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write atomically (temp file + rename), so a reader never sees half a table."""
@@ -179,8 +193,9 @@ class CostTable(ABC):
             raise
 
 
-def _refuse_constant(name: str) -> float:
-    raise ValueError(f"non-finite number {name} is not allowed")
+class _FileError(CostTableError):
+    def __init__(self, message: str) -> None:
+        super().__init__(f"cost table {message}")
 
 
 @dataclass(frozen=True)
@@ -206,11 +221,18 @@ class StepsPerSecTable(CostTable):
         if any(v <= 0 for v in sps):
             raise _fail(source, f"'sample_steps_per_sec' must all be > 0, got {list(sps)}")
         mbt = data["max_batch_tokens"]
-        if isinstance(mbt, bool) or not isinstance(mbt, int):
-            raise _fail(source, f"'max_batch_tokens' must be an int, got {mbt!r}")
+        if isinstance(mbt, bool) or not isinstance(mbt, int) or not 0 <= mbt <= MAX_TOKENS:
+            raise _fail(
+                source, f"'max_batch_tokens' must be an int in 0..{MAX_TOKENS}, got {_short(mbt)}"
+            )
         if mbt < probes[-1]:
             raise _fail(source, f"'max_batch_tokens' {mbt} is below the largest probe {probes[-1]}")
         return {"sample_batch_tokens": probes, "sample_steps_per_sec": sps, "max_batch_tokens": mbt}
+
+    @property
+    def uninitialized(self) -> bool:
+        """At most one probe: SGLang's ``is_uninitialized_sps_table`` (compact verifies all)."""
+        return len(self.sample_batch_tokens) <= 1
 
     def steps_per_sec(self, batch_tokens: int) -> float:
         """SPS at the largest probe ``<= batch_tokens``; the first probe below the range."""
@@ -257,13 +279,21 @@ class AdditiveCostTable(CostTable):
         _require_keys(source, data, cls.KEYS)
         bias = data["bias_seconds"]
         if isinstance(bias, bool) or not isinstance(bias, int | float):
-            raise _fail(source, f"'bias_seconds' must be a number, got {bias!r}")
-        if not math.isfinite(bias) or bias <= 0:
-            raise _fail(source, f"'bias_seconds' must be finite and > 0, got {bias!r}")
+            raise _fail(source, f"'bias_seconds' must be a number, got {_short(bias)}")
+        if not 0 < bias <= MAX_SECONDS:
+            raise _fail(source, f"'bias_seconds' must be finite and > 0, got {_short(bias)}")
         bs_probes = _int_list(source, data, "bs_probes")
         alpha = _float_list(source, data, "alpha_seconds", len(bs_probes), "bs_probes")
         m_probes = _int_list(source, data, "m_probes")
         theta = _float_list(source, data, "theta_seconds", len(m_probes), "m_probes")
+        worst = _min_step(float(bias), bs_probes, alpha, m_probes, theta)
+        if worst is not None:
+            bs, m, sec = worst
+            raise _fail(
+                source,
+                f"predicted step time T(bs={bs}, K={m - bs}) = bias + alpha + theta = "
+                f"{sec:.6g} s is not > 0 (negative alpha_seconds / theta_seconds)",
+            )
         return {
             "bias_seconds": float(bias),
             "bs_probes": bs_probes,
@@ -308,6 +338,29 @@ class AdditiveCostTable(CostTable):
         step = self.predicted_step_seconds(bs, np.arange(len(tau)))
         with np.errstate(divide="ignore", invalid="ignore"):
             return tau / step
+
+
+def _min_step(
+    bias: float,
+    bs_probes: Sequence[int],
+    alpha: Sequence[float],
+    m_probes: Sequence[int],
+    theta: Sequence[float],
+) -> tuple[int, int, float] | None:
+    """``(bs, M, T)`` where the table predicts a step time <= 0 for some bs >= 1, M >= bs.
+
+    Both terms are piecewise linear and clamped, so the minimum over that region lies at a
+    pair of breakpoints (of either term, or bs = 1) with M >= bs: evaluated exactly there.
+    """
+    pts = np.unique(np.concatenate(([1], bs_probes, m_probes)).astype(np.float64))
+    pts = pts[pts >= 1]
+    a = np.interp(pts, np.asarray(bs_probes, np.float64), np.asarray(alpha, np.float64))
+    t = np.interp(pts, np.asarray(m_probes, np.float64), np.asarray(theta, np.float64))
+    total = bias + a + np.minimum.accumulate(t[::-1])[::-1]  # best theta over M >= bs
+    i = int(np.argmin(total))
+    if total[i] > 0:
+        return None
+    return int(pts[i]), int(pts[i + int(np.argmin(t[i:]))]), float(total[i])
 
 
 def fit_additive(samples: Iterable[tuple[int, int, float]], *, m_bin: int = 1) -> AdditiveCostTable:

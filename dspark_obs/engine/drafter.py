@@ -23,7 +23,13 @@ Design (why each part is there):
 * Confidence head. ``z_k = w . [h_k ; U[x_{k-1}]] + b``, ``c_k = sigmoid(z_k / T_k)`` with
   optional per-position STS temperatures (SGLang's ``{"temperatures": [...]}`` JSON). It is
   trained towards the analytic acceptance ``1 - TV(p_k, q_k)``, i.e. the probability that
-  draft k survives given that drafts ``1..k-1`` did.
+  draft k survives rejection sampling given that drafts ``1..k-1`` did.
+* Greedy confidence head (``greedy_confidence``). Under greedy verification a draft survives
+  iff it is the target's argmax, a different event from ``1 - TV``: a second linear head on
+  the same features is trained towards ``1[argmax q_k == argmax p_k]``, and every request
+  drafted at temperature 0 reads its confidence from it. STS temperatures are kept per
+  sampling regime too (``sts.json`` for sampled requests, ``sts_greedy.json`` for greedy
+  ones, both SGLang's format; without the greedy file greedy requests use ``sts.json``).
 * Any gamma <= ``gamma_max``. The backbone always runs the trained block size
   (``gamma_max`` positions) and returns the first ``gamma``: a shorter block sees exactly the
   inputs it was trained on, so its drafts are the prefix of the full block's.
@@ -57,6 +63,8 @@ from torch import Tensor, nn
 WEIGHTS_FILE = "drafter.safetensors"
 CONFIG_FILE = "config.json"
 STS_FILE = "sts.json"
+STS_GREEDY_FILE = "sts_greedy.json"
+STS_REGIMES = ("all", "sample", "greedy")
 
 
 # --------------------------------------------------------------------------- target access
@@ -104,6 +112,7 @@ class DrafterConfig:
     rope_theta: float = 100000.0
     rms_eps: float = 1e-5
     context_window: int = 1024
+    greedy_confidence: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -332,7 +341,11 @@ class Drafter(nn.Module):
         self.markov_u = nn.Embedding(cfg.vocab_size, cfg.markov_rank)
         self.markov_v = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.markov_rank))
         self.conf_head = nn.Linear(d + cfg.markov_rank, 1)
+        self.conf_head_greedy = (
+            nn.Linear(d + cfg.markov_rank, 1) if cfg.greedy_confidence else None
+        )
         self.register_buffer("sts_temperatures", torch.ones(0), persistent=False)
+        self.register_buffer("sts_greedy_temperatures", torch.ones(0), persistent=False)
         self.reset_parameters()
 
     # -- init / target access -------------------------------------------------------------
@@ -348,6 +361,8 @@ class Drafter(nn.Module):
             self.mask_embed.normal_(std=std)
             self.markov_v.zero_()
             self.conf_head.bias.fill_(1.0)
+            if self.conf_head_greedy is not None:
+                self.conf_head_greedy.bias.fill_(1.0)
 
     @property
     def target(self) -> Any:
@@ -390,27 +405,48 @@ class Drafter(nn.Module):
         return base.float() + (u @ self.markov_v.t()).float(), u
 
     def _conf(self, h: Tensor, u: Tensor) -> Tensor:
-        return self.conf_head(torch.cat([h, u.to(h.dtype)], -1)).squeeze(-1).float()
+        """Raw confidence logits: [..] (sampling head) or [.., 2] (sampling, greedy heads)."""
+        x = torch.cat([h, u.to(h.dtype)], -1)
+        z = self.conf_head(x).float()
+        if self.conf_head_greedy is not None:
+            return torch.cat([z, self.conf_head_greedy(x).float()], -1)
+        return z.squeeze(-1)
 
-    def sts(self, gamma: int) -> Tensor:
-        """Per-position STS temperatures for the first gamma positions (ones if none)."""
+    def sts(self, gamma: int, greedy: bool = False) -> Tensor:
+        """Per-position STS temperatures of one sampling regime (ones if none): greedy requests
+        use the greedy temperatures when installed, else the shared ones."""
         t = self.sts_temperatures
+        if greedy and self.sts_greedy_temperatures.numel():
+            t = self.sts_greedy_temperatures
         if t.numel() == 0:
             return torch.ones(gamma)
         if t.numel() < gamma:
             raise ValueError(f"STS has {t.numel()} temperatures, gamma={gamma}")
         return t[:gamma].cpu()
 
-    def set_sts(self, temperatures: Sequence[float] | str | Path | None) -> None:
-        """Install STS temperatures (a list or SGLang's JSON file); None removes them."""
+    def set_sts(
+        self, temperatures: Sequence[float] | str | Path | None, regime: str = "all"
+    ) -> None:
+        """Install STS temperatures (a list or SGLang's JSON file); None removes them.
+
+        ``regime`` "all" (every request: what a user-supplied file means), "sample" (requests
+        at temperature > 0) or "greedy" (temperature 0 requests).
+        """
+        if regime not in STS_REGIMES:
+            raise ValueError(f"STS regime {regime!r} is not one of {STS_REGIMES}")
         if temperatures is None:
-            self.sts_temperatures = torch.ones(0)
-            return
-        temps = load_sts(temperatures) if isinstance(temperatures, str | Path) else temperatures
-        t = torch.tensor([float(x) for x in temps], dtype=torch.float32)
-        if t.numel() == 0 or not torch.isfinite(t).all() or (t <= 0).any():
-            raise ValueError("STS temperatures must be finite and > 0")
-        self.sts_temperatures = t
+            t = torch.ones(0)
+        else:
+            temps = (
+                load_sts(temperatures) if isinstance(temperatures, str | Path) else temperatures
+            )
+            t = torch.tensor([float(x) for x in temps], dtype=torch.float32)
+            if t.numel() == 0 or not torch.isfinite(t).all() or (t <= 0).any():
+                raise ValueError("STS temperatures must be finite and > 0")
+        if regime in ("all", "sample"):
+            self.sts_temperatures = t
+        if regime in ("all", "greedy"):
+            self.sts_greedy_temperatures = torch.ones(0) if regime == "all" else t
 
     # -- training forward: many blocks per sequence ----------------------------------------
     def forward_train(
@@ -426,7 +462,8 @@ class Drafter(nn.Module):
         hidden [B, T, L*d] target features of every position, tokens [B, T], anchors [B, nb]
         (anchor a sees context positions < a). Returns the final normalized block states
         h [B, nb, gamma, d], logits [B, nb, gamma, V] (Markov term with the realized previous
-        token) and conf logits z [B, nb, gamma]. Block position k predicts token a + k + 1.
+        token) and conf logits z [B, nb, gamma] (with a greedy head [B, nb, gamma, 2]: sampling
+        head, greedy head). Block position k predicts token a + k + 1.
         """
         cfg = self.cfg
         b, t_len = tokens.shape
@@ -457,7 +494,7 @@ class Drafter(nn.Module):
         return (
             h.view(b, nb, gamma, -1),
             logits.view(b, nb, gamma, -1),
-            z.view(b, nb, gamma),
+            z.view(b, nb, gamma, *z.shape[2:]),
         )
 
     # -- inference ------------------------------------------------------------------------
@@ -537,10 +574,12 @@ class Drafter(nn.Module):
             x = layer(x, pos, ctx_k[li], ctx_v[li], mask)
         h = self._final_norm(x[:, :gamma])
         base = self._logits(h).float()  # [B, gamma, V]
-        sts = self.sts(gamma).to(dev)
         toks, lps, probs, zs = [], [], [], []
         prev = anc
         greedy = (temps <= 0).to(dev)
+        sts = torch.where(
+            greedy[:, None], self.sts(gamma, greedy=True).to(dev), self.sts(gamma).to(dev)
+        )
         tsafe = torch.where(temps > 0, temps, torch.ones_like(temps)).to(dev)
         for k in range(gamma):
             lg, u = self._markov(base[:, k], prev)
@@ -555,6 +594,8 @@ class Drafter(nn.Module):
             probs.append(q)
             prev = tok
         z = torch.stack(zs, 1)
+        if z.dim() == 3:  # per request: the head of its sampling regime
+            z = torch.where(greedy[:, None], z[..., 1], z[..., 0])
         return DraftBlock(
             tokens=torch.stack(toks, 1),
             logprobs=torch.stack(lps, 1),
@@ -585,7 +626,7 @@ class Drafter(nn.Module):
 
     # -- persistence ----------------------------------------------------------------------
     def save(self, path: str | Path, meta: dict[str, Any] | None = None) -> Path:
-        """Write ``drafter.safetensors`` (bf16) + ``config.json`` (+ ``sts.json``) into path."""
+        """Write ``drafter.safetensors`` (bf16) + ``config.json`` (+ the STS files) into path."""
         from safetensors.torch import save_file
 
         out = Path(path)
@@ -599,10 +640,13 @@ class Drafter(nn.Module):
         if meta:
             conf["meta"] = meta
         (out / CONFIG_FILE).write_text(json.dumps(conf, indent=2))
-        if self.sts_temperatures.numel():
-            (out / STS_FILE).write_text(
-                json.dumps({"temperatures": self.sts_temperatures.tolist()}, indent=2)
-            )
+        sts_files = (
+            (STS_FILE, self.sts_temperatures),
+            (STS_GREEDY_FILE, self.sts_greedy_temperatures),
+        )
+        for name, t in sts_files:
+            if t.numel():
+                (out / name).write_text(json.dumps({"temperatures": t.tolist()}, indent=2))
         return out
 
     @classmethod
@@ -629,6 +673,8 @@ class Drafter(nn.Module):
         drafter.load_state_dict({k: v.float() for k, v in sd.items()})
         if (p / STS_FILE).exists():
             drafter.set_sts(p / STS_FILE)
+        if (p / STS_GREEDY_FILE).exists():
+            drafter.set_sts(p / STS_GREEDY_FILE, regime="greedy")
         dev = device if device is not None else _target_device(target)
         return drafter.to(dev).eval()
 

@@ -9,7 +9,12 @@ drafts is verified in full (``static`` mode), so no position is censored. Report
   full-block value, also on a request's last step);
 * conditional acceptance per position j: P(draft j accepted | drafts < j accepted);
 * raw ECE per position (DESIGN.md parity definition: survival S_j clamped to
-  [1e-8, 1 - 1e-8], label 1[j <= correct_drafts], 15 equal-width bins).
+  [1e-8, 1 - 1e-8], label 1[j <= correct_drafts], 15 equal-width bins);
+* AUROC of the position-1 confidence against "draft 1 accepted".
+
+With ``records=True`` the per-step correct counts and raw confidence logits come back too,
+so STS can be fitted on one prompt split and scored on another (:func:`calibration_report`:
+one STS per sampling regime, fitted on held-out TRAIN prompts, scored on the EVAL split).
 
 Greedy (temperature 0): a draft is correct iff it equals the target's argmax. Temperature
 T > 0: rejection sampling, accept draft x with probability min(1, p(x)/q(x)), on rejection
@@ -40,6 +45,19 @@ from dspark_obs.engine.drafter import Drafter
 ECE_BINS = 15
 
 
+def auroc(score: np.ndarray, label: np.ndarray) -> float:
+    """Area under the ROC curve (ties count half), NaN when a class is absent."""
+    s = np.asarray(score, dtype=np.float64)
+    y = np.asarray(label).astype(bool)
+    n_pos, n_neg = int(y.sum()), int((~y).sum())
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    _, inv, counts = np.unique(s, return_inverse=True, return_counts=True)
+    upper = np.cumsum(counts)
+    avg_rank = (upper - (counts - 1) / 2.0)[inv]  # 1-based average ranks
+    return float((avg_rank[y].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+
+
 def ece_parity(pred: np.ndarray, label: np.ndarray, bins: int = ECE_BINS) -> float:
     """ECE as SGLang's STS fitter computes it: clamp, floor(p * bins) bins, count-weighted."""
     if pred.size == 0:
@@ -61,8 +79,14 @@ class SpecStats:
     gamma: int
     correct: list[int] = field(default_factory=list)
     survival: list[list[float]] = field(default_factory=list)
+    conf_logits: list[list[float]] = field(default_factory=list)
     committed: list[int] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
+
+    def extend(self, other: SpecStats) -> None:
+        """Append another run's steps (same gamma)."""
+        for name in ("correct", "survival", "conf_logits", "committed", "outputs"):
+            getattr(self, name).extend(getattr(other, name))
 
     def summary(self) -> dict[str, Any]:
         c = np.asarray(self.correct, dtype=np.int64)
@@ -82,6 +106,7 @@ class SpecStats:
             "prefix_accept": acc_rate,
             "mean_survival": s.mean(0).tolist() if c.size else [],
             "ece": ece,
+            "auroc_1": auroc(s[:, 0], c >= 1) if c.size else float("nan"),
             "generated_tokens": int(sum(len(o) for o in self.outputs)),
         }
 
@@ -168,6 +193,7 @@ def speculative_run(
         lens0 = [caches[i].length for i in active]
         vout = target.forward(verify, [caches[i] for i in active], layers)
         surv = blk.survival.cpu()
+        zraw = blk.conf_logits.float().cpu()
         still = []
         for j, i in enumerate(active):
             c, bonus = _accept(
@@ -175,6 +201,7 @@ def speculative_run(
             )
             stats.correct.append(c)
             stats.survival.append(surv[j].tolist())
+            stats.conf_logits.append(zraw[j].tolist())
             new = [int(t) for t in blk.tokens[j, :c].tolist()] + [bonus]
             room = max_new_tokens - len(outputs[i])
             cut = new[:room]
@@ -205,8 +232,10 @@ def evaluate(
     batch_size: int = 64,
     seed: int = 0,
     log: Callable[[str], None] = print,
+    records: bool = False,
 ) -> dict[str, Any]:
-    """Run :func:`speculative_run` per workload and temperature; a JSON-ready summary."""
+    """Run :func:`speculative_run` per workload and temperature; a JSON-ready summary
+    (``records``: also every step's correct drafts and raw confidence logits)."""
     res: dict[str, Any] = {
         "gamma": gamma,
         "max_new_tokens": max_new_tokens,
@@ -228,19 +257,112 @@ def evaluate(
                     eos_ids,
                     seed + s,
                 )
-                stats.correct += part.correct
-                stats.survival += part.survival
-                stats.committed += part.committed
-                stats.outputs += part.outputs
+                stats.extend(part)
             summ = stats.summary()
             summ["seconds"] = time.time() - t0
             res["results"][f"{w}@T{temp:g}"] = summ
+            if records:
+                res.setdefault("records", {})[f"{w}@T{temp:g}"] = {
+                    "correct": stats.correct,
+                    "conf_logits": [[round(z, 4) for z in row] for row in stats.conf_logits],
+                }
             log(
                 f"[eval] {w} T={temp:g}: accept length {summ['mean_accept_length']:.3f} "
                 f"over {summ['steps']} steps; cond {_fmt(summ['cond_accept'])} "
-                f"ece {_fmt(summ['ece'])} ({summ['seconds']:.1f}s)"
+                f"ece {_fmt(summ['ece'])} auroc1 {summ['auroc_1']:.3f} ({summ['seconds']:.1f}s)"
             )
     return res
+
+
+def merge_results(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One summary from evaluations run separately (e.g. one process per workload and T)."""
+    if not parts:
+        raise ValueError("nothing to merge")
+    out: dict[str, Any] = {
+        "gamma": parts[0]["gamma"],
+        "max_new_tokens": parts[0]["max_new_tokens"],
+        "prompts": {},
+        "results": {},
+    }
+    for p in parts:
+        if p["gamma"] != out["gamma"]:
+            raise ValueError(f"cannot merge gamma {p['gamma']} with gamma {out['gamma']}")
+        out["prompts"].update(p["prompts"])
+        out["results"].update(p["results"])
+        if "records" in p:
+            out.setdefault("records", {}).update(p["records"])
+        if "command" in p:
+            out.setdefault("commands", []).append(p["command"])
+    return out
+
+
+def _regime_records(res: Mapping[str, Any], temp: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{workload: (correct [n], raw conf logits [n, gamma])} of one temperature label."""
+    recs = res.get("records")
+    if not recs:
+        raise ValueError("evaluation has no per-step records (run it with records=True)")
+    out = {}
+    for key, r in recs.items():
+        w, t = key.split("@T")
+        if t == temp:
+            z = np.asarray(r["conf_logits"], dtype=np.float64).reshape(len(r["correct"]), -1)
+            out[w] = (np.asarray(r["correct"], dtype=np.int64), z)
+    return out
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def position_eces(
+    correct: np.ndarray, conf_logits: np.ndarray, temperatures: Sequence[float] | None = None
+) -> list[float]:
+    """Parity ECE per position of the survival, raw or with STS temperatures applied."""
+    g = conf_logits.shape[1]
+    t = np.ones(g) if temperatures is None else np.asarray(temperatures[:g], dtype=np.float64)
+    surv = np.cumprod(_sigmoid(conf_logits / t), 1)
+    return [ece_parity(surv[:, j], (correct >= j + 1).astype(np.float64)) for j in range(g)]
+
+
+def calibration_report(
+    fit: Mapping[str, Any], ev: Mapping[str, Any], gamma_max: int | None = None
+) -> dict[str, Any]:
+    """Per sampling regime: STS fitted on ``fit`` (held-out TRAIN prompts, all workloads
+    pooled, SGLang's fitter), scored on ``ev`` (EVAL prompts): ECE per position raw and after
+    STS, per workload and pooled, and AUROC at position 1 (STS leaves it unchanged).
+
+    ``sts`` holds SGLang's JSON for each regime, padded to ``gamma_max`` temperatures with the
+    last fitted one so a deployment at a longer block than the fit still loads it.
+    """
+    from dspark_obs.analytics.sts import fit_sts
+
+    temps = sorted({k.split("@T")[1] for k in fit.get("records", {})}, key=float)
+    out: dict[str, Any] = {}
+    for t in temps:
+        fit_rows = _regime_records(fit, t)
+        c = np.concatenate([v[0] for v in fit_rows.values()])
+        z = np.concatenate([v[1] for v in fit_rows.values()])
+        prefix = (np.arange(z.shape[1])[None, :] < c[:, None]).astype(np.float64)
+        cal = fit_sts(z, prefix, dataset=f"heldout-train T={t} " + "+".join(fit_rows))
+        sts = cal.to_dict()
+        pad = max((gamma_max or 0) - len(sts["temperatures"]), 0)
+        sts["temperatures"] = sts["temperatures"] + [sts["temperatures"][-1]] * pad
+        scored: dict[str, Any] = {}
+        ev_rows = _regime_records(ev, t)
+        if ev_rows:
+            pooled = (
+                np.concatenate([v[0] for v in ev_rows.values()]),
+                np.concatenate([v[1] for v in ev_rows.values()]),
+            )
+            for name, (ce, ze) in {**ev_rows, "pooled": pooled}.items():
+                scored[name] = {
+                    "steps": int(ce.size),
+                    "ece_raw": position_eces(ce, ze),
+                    "ece_sts": position_eces(ce, ze, sts["temperatures"]),
+                    "auroc_1": auroc(ze[:, 0], ce >= 1),
+                }
+        out[f"T{t}"] = {"sts": sts, "fit_steps": int(c.size), "eval": scored}
+    return out
 
 
 def _fmt(xs: Sequence[float]) -> str:
@@ -252,15 +374,17 @@ def markdown_table(res: Mapping[str, Any]) -> str:
     g = int(res["gamma"])
     head = (
         f"| workload | T | prompts | steps | mean accept len | cond. accept j=1..{g} "
-        f"| ECE j=1..{g} |\n|---|---|---|---|---|---|---|\n"
+        f"| ECE j=1..{g} | AUROC j=1 |\n|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for key, s in res["results"].items():
         w, t = key.split("@T")
+        cond = " / ".join(f"{x:.3f}" for x in s["cond_accept"])
+        ece = " / ".join(f"{x:.3f}" for x in s["ece"])
+        roc = s.get("auroc_1", float("nan"))
         rows.append(
             f"| {w} | {t} | {res['prompts'].get(w, '')} | {s['steps']} | "
-            f"{s['mean_accept_length']:.3f} | {' / '.join(f'{x:.3f}' for x in s['cond_accept'])}"
-            f" | {' / '.join(f'{x:.3f}' for x in s['ece'])} |"
+            f"{s['mean_accept_length']:.3f} | {cond} | {ece} | {roc:.3f} |"
         )
     return head + "\n".join(rows) + "\n"
 
@@ -290,6 +414,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--workloads", default="math,chat,poetry")
     ap.add_argument("--n", type=int, default=8, help="eval prompts per workload")
     ap.add_argument("--prompts-file", default=None, help="JSON {workload: [[ids]]} instead")
+    ap.add_argument("--prompts-key", default="prompts", help="which prompt set of that file")
     ap.add_argument("--gamma", type=int, default=5)
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -298,6 +423,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the JSON summary here")
+    ap.add_argument(
+        "--records", action="store_true", help="keep per-step records (for STS fitting)"
+    )
     a = ap.parse_args(argv)
     from dspark_obs.engine.weights import load_smollm2, load_target_from_gguf, stop_token_ids
 
@@ -305,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     workloads = [w for w in a.workloads.split(",") if w]
     if a.prompts_file:
         blob = json.loads(Path(a.prompts_file).read_text())
-        prompts = {w: blob["prompts"][w][: a.n] for w in workloads}
+        prompts = {w: blob[a.prompts_key][w][: a.n] for w in workloads}
         eos = blob["eos_ids"]
         assert a.gguf, "--prompts-file needs --gguf (no tokenizer is loaded)"
         target = load_target_from_gguf(a.gguf, device=a.device, dtype=dtype)
@@ -325,6 +453,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         eos,
         a.batch_size,
         a.seed,
+        records=a.records,
     )
     res["command"] = "python -m dspark_obs.engine.drafter_eval " + " ".join(
         argv if argv is not None else __import__("sys").argv[1:]

@@ -21,6 +21,13 @@ were trimmed (``correct_drafts == verify_len - 1 < gamma``) records ``trimmed_to
 their draft log-probs ``q_lp``; later target rows that cover those positions resolve them into
 ``pg`` entries ``(src_fct, k, target_logprob, draft_token, realized_token)`` until the first
 offset whose realized token differs from the draft (SGLang 0.5.23's JSONL semantics).
+``target_logprob`` is log p of the distribution acceptance really used (temperature, then
+top-k / top-p), so the estimator is exact for every sampling setting; SGLang skips greedy and
+truncated rows instead (``EngineConfig(estimator_rows="sglang")`` does the same).
+
+Records reach ``emit`` every ``flush_every`` steps or ``flush_seconds`` (default 1 s) after
+the previous hand-over, whichever comes first, so live readers see progress and a kill loses
+at most about a second of steps that were not yet handed over.
 """
 
 from __future__ import annotations
@@ -36,7 +43,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspark_obs.engine.acceptance import SAMPLING_EPS, accept, process_logits
+from dspark_obs.engine.acceptance import (
+    SAMPLING_EPS,
+    accept,
+    is_truncated,
+    process_logits,
+    process_logprobs,
+)
 from dspark_obs.engine.costs import CostTable
 from dspark_obs.engine.drafter import Drafter, DrafterCache
 from dspark_obs.engine.model import KVCache, Target
@@ -46,6 +59,14 @@ from dspark_obs.schema import MODES
 ESTIMATOR_MIN_TEMPERATURE = 1e-5
 """Log-probs for the estimator use ``max(T, 1e-5)`` (SGLang's floor), so greedy rows give
 ~0 for the argmax and a huge negative value for anything else."""
+
+TARGET_LOGPROB_FLOOR = -1e4
+"""Stored in ``pg`` for a trimmed draft that top-k / top-p removed from the target's
+distribution (log p = -inf): finite for the store, and ``exp(floor - q_lp) == 0`` exactly."""
+
+ESTIMATOR_ROWS = ("all", "sglang")
+"""``all``: estimator fields on every sampling setting (exact: log p of the processed
+target distribution). ``sglang``: none on greedy or top-k / top-p rows, as SGLang's recorder."""
 
 
 class EngineError(ValueError):
@@ -62,7 +83,9 @@ class EngineConfig:
     max_batch: int = 16
     cost_table: CostTable | None = None
     dp_rank: int = 0
-    flush_every: int = 32  # steps buffered before records are handed to the sinks
+    flush_every: int = 32  # steps buffered before records are handed to the sinks ...
+    flush_seconds: float = 1.0  # ... or this long since the last hand-over, whichever first
+    estimator_rows: str = "all"  # see ESTIMATOR_ROWS
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -73,6 +96,15 @@ class EngineConfig:
             raise EngineError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.lag_steps < 0:
             raise EngineError(f"lag_steps must be >= 0, got {self.lag_steps}")
+        if self.flush_every < 1:
+            raise EngineError(f"flush_every must be >= 1, got {self.flush_every}")
+        if not (math.isfinite(self.flush_seconds) and self.flush_seconds > 0):
+            raise EngineError(f"flush_seconds must be finite and > 0, got {self.flush_seconds}")
+        if self.estimator_rows not in ESTIMATOR_ROWS:
+            raise EngineError(
+                f"unknown estimator_rows {self.estimator_rows!r}; expected one of "
+                f"{list(ESTIMATOR_ROWS)}"
+            )
 
 
 @dataclass
@@ -89,6 +121,7 @@ class GenRequest:
     top_k: int = -1
     seed: int = 0
     arrival_step: int = 0
+    ignore_eos: bool = False  # run to max_new_tokens (SGLang's sampling_params.ignore_eos)
 
 
 @dataclass
@@ -121,6 +154,10 @@ class _Live:
     def greedy(self) -> bool:
         return self.req.temperature < SAMPLING_EPS
 
+    @property
+    def truncated(self) -> bool:
+        return is_truncated(self.req.top_p, self.req.top_k)
+
 
 @dataclass
 class RunResult:
@@ -141,6 +178,15 @@ class RunResult:
 
 Emit = Callable[[str, list[dict[str, Any]]], Any]
 
+RequestSource = Callable[[bool], "Sequence[GenRequest] | None"]
+"""Polled once per loop iteration by a long-running :meth:`Engine.run` (a server): called
+with ``idle=True`` when nothing is running (it may block until requests arrive), returns new
+requests (admitted at the current step), or None once closed (the run then drains)."""
+
+OnTokens = Callable[[str, list[int]], Any]
+"""Called with a request's id and the tokens it just committed (the prefill token, then each
+step's), for streaming; the request's ``requests`` row marks its end."""
+
 
 class Engine:
     """Runs requests through target + drafter in one verify mode and emits records."""
@@ -160,6 +206,7 @@ class Engine:
         self.cfg = config
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         self.scheduler = Scheduler(config.cost_table, config.gamma, config.lag_steps)
+        self._on_tokens: OnTokens | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -183,6 +230,14 @@ class Engine:
                 )
             if not (math.isfinite(r.temperature) and r.temperature >= 0):
                 raise EngineError(f"request {r.rid!r}: temperature must be finite and >= 0")
+            if not 0.0 < r.top_p <= 1.0:  # also NaN
+                raise EngineError(f"request {r.rid!r}: top_p must be in (0, 1], got {r.top_p}")
+            if r.top_k != -1 and r.top_k < 1:
+                raise EngineError(f"request {r.rid!r}: top_k must be -1 (off) or >= 1")
+            if not 0 <= r.seed < 2**63:
+                raise EngineError(f"request {r.rid!r}: seed must be in 0..2**63-1")
+            if r.arrival_step < 0:
+                raise EngineError(f"request {r.rid!r}: arrival_step must be >= 0")
             vocab = self.target.cfg.vocab_size
             if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= vocab:
                 raise EngineError(f"request {r.rid!r}: prompt token id outside 0..{vocab - 1}")
@@ -193,12 +248,16 @@ class Engine:
         emit: Emit,
         run_id: str,
         progress: Callable[[int], None] | None = None,
+        source: RequestSource | None = None,
+        on_tokens: OnTokens | None = None,
     ) -> RunResult:
         """Decode every request to completion; ``emit(table, rows)`` receives the records.
 
-        ``progress(n)`` is called with the number of requests finished in a step.
+        ``progress(n)`` is called with the number of requests finished in a step. ``source``
+        (optional) feeds requests that arrive while the run goes on; ``on_tokens`` streams.
         """
         self.check(requests)
+        self._on_tokens = on_tokens
         cfg = self.cfg
         self.scheduler.relay.reset()
         waiting = sorted(requests, key=lambda r: (r.arrival_step, r.rid))
@@ -207,6 +266,7 @@ class Engine:
         buf: dict[str, list[dict[str, Any]]] = {"steps": [], "req_steps": [], "requests": []}
         tokens_before = self.target.tokens_processed
         t_start = time.perf_counter()
+        last_flush = t_start
         fct = 0
 
         def finish(live: _Live, reason: str) -> None:
@@ -217,11 +277,27 @@ class Engine:
                 progress(1)
 
         with torch.inference_mode():
-            while waiting or running:
+            while waiting or running or source is not None:
+                if source is not None:
+                    idle = not waiting and not running
+                    if idle:
+                        self._flush(emit, buf)  # a blocking poll must not hold records back
+                    new = source(idle)
+                    if new is None:
+                        source = None
+                    elif new:
+                        self.check(new)
+                        for r in new:
+                            r.arrival_step = fct
+                        waiting = sorted([*waiting, *new], key=lambda r: (r.arrival_step, r.rid))
+                    if not waiting and not running:
+                        continue
                 while waiting and waiting[0].arrival_step <= fct and len(running) < cfg.max_batch:
                     live = self._admit(waiting.pop(0))
                     result.committed_tokens += 1  # the first token comes from the prefill
-                    if live.anchor in self.stop_ids:
+                    if on_tokens is not None:
+                        on_tokens(live.req.rid, [live.anchor])
+                    if live.anchor in self.stop_ids and not live.req.ignore_eos:
                         finish(live, "stop")
                     elif live.req.max_new_tokens == 1:
                         finish(live, "length")
@@ -235,8 +311,10 @@ class Engine:
                     finish(live, reason)
                 result.steps += 1
                 fct += 1
-                if result.steps % cfg.flush_every == 0:
+                now = time.perf_counter()
+                if result.steps % cfg.flush_every == 0 or now - last_flush >= cfg.flush_seconds:
                     self._flush(emit, buf)
+                    last_flush = now
         self._flush(emit, buf)
         result.seconds = time.perf_counter() - t_start
         result.target_tokens = self.target.tokens_processed - tokens_before
@@ -372,16 +450,17 @@ class Engine:
                 )
             full = list(res.tokens)  # uncut by EOS / length: what the estimator resolves against
             censors = cfg.mode == "compact" and res.correct_drafts == w - 1 and w - 1 < gamma
+            if cfg.estimator_rows == "sglang" and (live.greedy or live.truncated):
+                censors, live.censored = False, []  # SGLang's recorder skips such rows
             logp = None
             if live.censored or censors:
-                t = max(req.temperature, ESTIMATOR_MIN_TEMPERATURE)
-                logp = torch.log_softmax(logits.double() / t, dim=-1)
+                logp = self._estimator_logprobs(logits, live)
             pg = self._resolve(live, logp, full, lengths_before[i])
             committed = full
             remaining = req.max_new_tokens - len(live.output)
             cut, reason = len(committed), None
             for j, tok in enumerate(committed):
-                if tok in self.stop_ids:
+                if tok in self.stop_ids and not req.ignore_eos:
                     cut, reason = j + 1, "stop"
                     break
             if cut > remaining or (reason is None and cut == remaining):
@@ -389,6 +468,8 @@ class Engine:
             committed = committed[:cut]
             live.output.extend(committed)
             result.committed_tokens += len(committed)
+            if self._on_tokens is not None:
+                self._on_tokens(req.rid, committed)
             is_last = reason is not None
             row = {
                 "run_id": run_id,
@@ -498,6 +579,14 @@ class Engine:
                 logits[i] = torch.cat([logits[i], tail.logits[j]])
         return logits, out.hidden
 
+    @staticmethod
+    def _estimator_logprobs(logits: torch.Tensor, live: _Live) -> torch.Tensor:
+        """log p of the distribution acceptance used (processed: temperature, top-k, top-p)."""
+        req = live.req
+        if live.greedy:  # one-hot whatever the filters; SGLang's temperature floor
+            return torch.log_softmax(logits.double() / ESTIMATOR_MIN_TEMPERATURE, dim=-1)
+        return process_logprobs(logits, req.temperature, req.top_p, req.top_k)
+
     @property
     def _timed_device(self) -> bool:
         return self.target.device.type == "cuda"
@@ -536,7 +625,7 @@ class Engine:
                 {
                     "src_fct": blk.src_fct,
                     "k": blk.first_k + blk.next_k,
-                    "target_logprob": float(logp[r, draft]),
+                    "target_logprob": max(float(logp[r, draft]), TARGET_LOGPROB_FLOOR),
                     "draft_token": draft,
                     "realized_token": realized,
                 }

@@ -30,6 +30,7 @@ __all__ = [
     "BudgetDecision",
     "ConfidenceRelay",
     "Scheduler",
+    "SurvivalError",
     "allocate",
     "sps_budget",
     "sps_decision",
@@ -49,14 +50,26 @@ class BudgetDecision:
     """Objective at the chosen budget: predicted committed tokens per second."""
 
 
+class SurvivalError(ValueError):
+    """Survival / confidence that is not a probability: the message names row and position."""
+
+
 def _as_survival(survival: np.ndarray, name: str = "survival") -> np.ndarray:
     arr = np.asarray(survival)
     if arr.ndim != 2:
-        raise ValueError(f"{name} must be 2-D [bs, gamma], got shape {arr.shape}")
+        raise SurvivalError(f"{name} must be 2-D [bs, gamma], got shape {arr.shape}")
     if not np.issubdtype(arr.dtype, np.floating):
-        arr = arr.astype(np.float64)
-    if not np.all(np.isfinite(arr)):
-        raise ValueError(f"{name} holds NaN or infinite values")
+        try:
+            arr = arr.astype(np.float64)
+        except (TypeError, ValueError) as exc:
+            raise SurvivalError(f"{name} must hold numbers ({exc})") from None
+    bad = ~((arr >= 0) & (arr <= 1))  # NaN fails both comparisons
+    if bad.any():
+        row, pos = (int(x) for x in np.argwhere(bad)[0])
+        raise SurvivalError(
+            f"{name}[{row}, {pos}] = {float(arr[row, pos])}: survival and confidence must be "
+            f"probabilities in [0, 1] ({int(bad.sum())} bad value(s))"
+        )
     return arr
 
 
@@ -190,6 +203,9 @@ class Scheduler:
 
     Without a cost table it verifies everything (``verify_len = gamma + 1`` for all,
     ``budget = bs * gamma``), which is SGLang's behaviour in compact mode with no SPS table.
+    A 1-D table with at most one probe is SGLang's *uninitialized* table (flat steps/sec):
+    SGLang's planner then verifies everything in compact mode, and so does this one (in
+    cap-accept too, so a companion keeps committing what its compact run commits).
     ``forced_budget_frac`` pins the budget to ``int(frac * bs * gamma)`` (SGLang's
     ``dspark_force_budget_frac``), used to profile step times over varied K; it applies with
     or without a table here, since the embedded profiler has no table yet.
@@ -227,7 +243,7 @@ class Scheduler:
             budget = max(0, int(float(frac) * bs * gamma))
             self.last_decision = BudgetDecision(budget=budget)
             return budget, allocate(arr, budget, survival_eps=self.survival_eps)
-        if self.table is None:
+        if self.table is None or self.table.uninitialized:
             self.last_decision = None
             return bs * gamma, np.full(bs, gamma + 1, dtype=np.int64)
         lagged = self.relay.step(rids, arr)

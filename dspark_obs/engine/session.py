@@ -39,9 +39,9 @@ def load_models(
     drafter_path: str | Path | None = None,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
-    sts: str | Path | None = None,
+    sts: str | Path | Sequence[float] | None = None,
 ) -> Models:
-    """SmolLM2-135M-Instruct and the shipped (or given) DSpark drafter."""
+    """SmolLM2-135M-Instruct and the shipped (or given) DSpark drafter (STS: file or values)."""
     from dspark_obs.engine.drafter import Drafter
     from dspark_obs.engine.weights import load_smollm2, stop_token_ids
 

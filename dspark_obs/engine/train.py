@@ -11,6 +11,13 @@ Objective (DSpark): per block position k (1-based), weighted by exp(-(k-1)/gamma
 ``0.1 * CE(q_k, realized x_k) + 0.9 * TV(p_k, q_k) + 1.0 * BCE(c_k, 1 - TV(p_k, q_k))`` with
 the BCE target detached. TV drives q towards p (what rejection sampling rewards); the small
 CE term keeps the mode sharp for greedy; the confidence head learns the analytic acceptance.
+A drafter with a greedy confidence head adds ``1.0 * BCE(c^greedy_k, 1[argmax q_k ==
+argmax p_k])``: the event greedy verification accepts.
+
+``init_from`` starts from a saved drafter (e.g. the shipped one) with a fresh optimizer (the
+warm-up restarts); a greedy head it lacks starts as a copy of its sampling head.
+``on_snapshot(step, drafter)`` is called every ``snapshot_every`` steps (and at step 0) for
+held-out monitoring while training runs.
 
 Checkpoints go to ``out_dir/checkpoint.pt`` as training runs; ``resume=True`` continues from
 there with the same data (``out_dir/data.pt``) and the same batch/anchor order (both are a
@@ -68,6 +75,8 @@ class LossParts:
     greedy_match: list[float]  # mean 1[argmax q == argmax p] per position
     prefix_match: list[float]  # mean 1[argmax q == argmax p at positions 1..k]
     conf_mean: list[float]
+    bce_greedy: float = 0.0  # greedy-head BCE (0 without a greedy head)
+    conf_greedy_mean: list[float] = field(default_factory=list)
 
 
 def drafter_loss(
@@ -84,7 +93,8 @@ def drafter_loss(
     """DSpark objective over rows [..., gamma] (logits [..., gamma, V]).
 
     target_logits are the target's logits for the same predicted positions; next_tokens the
-    realized tokens; valid masks positions past the end of a sequence.
+    realized tokens; valid masks positions past the end of a sequence. conf_logits are
+    [..., gamma] (sampling head) or [..., gamma, 2] (sampling head, greedy head).
     """
     gamma = logits.shape[-2]
     lq = torch.log_softmax(logits.float(), -1)
@@ -92,11 +102,20 @@ def drafter_loss(
     p = torch.softmax(target_logits.float(), -1)
     tv = tv_distance(p, q)  # [..., gamma]
     ce = -lq.gather(-1, next_tokens.unsqueeze(-1)).squeeze(-1)
+    match = (logits.argmax(-1) == target_logits.argmax(-1)).float()
+    z = conf_logits.float()
+    z_greedy = None
+    if z.dim() == logits.dim():
+        z, z_greedy = z[..., 0], z[..., 1]
     acc = (1.0 - tv).detach().clamp(0.0, 1.0)
-    bce = F.binary_cross_entropy_with_logits(conf_logits.float(), acc, reduction="none")
+    bce = F.binary_cross_entropy_with_logits(z, acc, reduction="none")
     w = position_weights(gamma, gamma_decay, logits.device) * valid.float()
     denom = w.sum().clamp_min(1e-9)
     per = w_ce * ce + w_tv * tv + w_conf * bce
+    bce_g = None
+    if z_greedy is not None:
+        bce_g = F.binary_cross_entropy_with_logits(z_greedy, match, reduction="none")
+        per = per + w_conf * bce_g
     loss = (per * w).sum() / denom
     with torch.no_grad():
         vf = valid.float().reshape(-1, gamma)
@@ -105,7 +124,6 @@ def drafter_loss(
         def pos_mean(x: Tensor) -> list[float]:
             return ((x.reshape(-1, gamma).float() * vf).sum(0) / n).tolist()
 
-        match = (logits.argmax(-1) == target_logits.argmax(-1)).float()
         parts = LossParts(
             loss=loss,
             ce=float((ce * w).sum() / denom),
@@ -114,8 +132,11 @@ def drafter_loss(
             accept_1mtv=pos_mean(1.0 - tv),
             greedy_match=pos_mean(match),
             prefix_match=pos_mean(match.reshape(-1, gamma).cumprod(-1)),
-            conf_mean=pos_mean(torch.sigmoid(conf_logits.float())),
+            conf_mean=pos_mean(torch.sigmoid(z)),
         )
+        if z_greedy is not None and bce_g is not None:
+            parts.bce_greedy = float((bce_g * w).sum() / denom)
+            parts.conf_greedy_mean = pos_mean(torch.sigmoid(z_greedy))
     return parts
 
 
@@ -480,6 +501,9 @@ def train_drafter(
     stop_after: int | None = None,
     runner: Any | None = None,
     eos_ids: Sequence[int] | None = None,
+    init_from: str | Path | None = None,
+    on_snapshot: Callable[[int, Drafter], None] | None = None,
+    snapshot_every: int = 0,
     log: Callable[[str], None] = print,
 ) -> TrainResult:
     """Generate target data (or reuse ``out_dir/data.pt``), train, checkpoint, export.
@@ -526,11 +550,16 @@ def train_drafter(
 
     if isinstance(drafter_config, DrafterConfig):
         cfg = drafter_config
+    elif init_from is not None:
+        cfg = _init_config(init_from, drafter_config)
     else:
         cfg = DrafterConfig.for_target(target, gamma_max=gamma, **dict(drafter_config or {}))
     if gamma > cfg.gamma_max:
         raise ValueError(f"gamma={gamma} > drafter gamma_max={cfg.gamma_max}")
     drafter = Drafter(cfg, target).to(dev)
+    if init_from is not None and not (resume and (out / CKPT_FILE).exists()):
+        _init_weights(drafter, init_from)
+        log(f"[train] initialized from {init_from} (fresh optimizer, warm-up {warmup} steps)")
     for prm in target.parameters():
         prm.requires_grad_(False)
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -567,6 +596,10 @@ def train_drafter(
     train_budget = None if time_budget_s is None else max(time_budget_s - (t0 - t_start), 1.0)
     win: list[LossParts] = []
     stopped_early = False
+    if on_snapshot is not None and step == 0:
+        drafter.eval()
+        on_snapshot(0, drafter)
+        drafter.train()
     while step < steps:
         if stop_after is not None and step - start_step >= stop_after:
             stopped_early = True
@@ -600,10 +633,15 @@ def train_drafter(
                 f"[train] step {step}/{steps} loss {rec['loss']:.4f} ce {rec['ce']:.3f} "
                 f"tv {rec['tv']:.3f} bce {rec['bce']:.3f} greedy-acc-len~{rec['est_greedy']:.2f} "
                 f"match {_fmt(rec['greedy_match'])} 1-tv {_fmt(rec['accept_1mtv'])} "
-                f"conf {_fmt(rec['conf_mean'])} lr {rec['lr']:.2e} {rec['steps_per_s']:.2f} it/s"
+                f"conf {_fmt(rec['conf_mean'])} gconf {_fmt(rec['conf_greedy_mean'])} "
+                f"lr {rec['lr']:.2e} {rec['steps_per_s']:.2f} it/s"
             )
         if step % ckpt_every == 0:
             save_ckpt(step)
+        if on_snapshot is not None and snapshot_every and step % snapshot_every == 0:
+            drafter.eval()
+            on_snapshot(step, drafter)
+            drafter.train()
     save_ckpt(step)
     drafter.eval()
     meta = {
@@ -616,12 +654,40 @@ def train_drafter(
         "sequences": len(data.seqs),
         "data": data.info,
         "seed": seed,
+        "init_from": str(init_from) if init_from is not None else None,
+        "warmup": warmup,
         "stopped_early": stopped_early,
         "last": history[-1] if history else None,
     }
     export = drafter.save(out / EXPORT_DIR, meta=meta)
     (out / "train_history.json").write_text(json.dumps(history, indent=1))
     return TrainResult(drafter, out, export, step, history)
+
+
+def _init_config(
+    init_from: str | Path, overrides: DrafterConfig | Mapping[str, Any] | None
+) -> DrafterConfig:
+    """The saved drafter's config with ``overrides`` applied (e.g. a greedy head)."""
+    conf = json.loads((Path(init_from) / "config.json").read_text())
+    d = dict(conf["drafter"])
+    d.update(dict(overrides or {}))
+    return DrafterConfig.from_json(d)
+
+
+def _init_weights(drafter: Drafter, init_from: str | Path) -> None:
+    """Load a saved drafter's weights; a greedy head it lacks copies its sampling head."""
+    from safetensors.torch import load_file
+
+    sd = {k: v.float() for k, v in load_file(str(Path(init_from) / "drafter.safetensors")).items()}
+    own = drafter.state_dict()
+    if "conf_head_greedy.weight" in own and "conf_head_greedy.weight" not in sd:
+        sd["conf_head_greedy.weight"] = sd["conf_head.weight"].clone()
+        sd["conf_head_greedy.bias"] = sd["conf_head.bias"].clone()
+    bad = [k for k, v in sd.items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
+    missing = sorted(set(own) - set(sd))
+    if bad or missing:
+        raise ValueError(f"{init_from}: cannot initialize from it: shapes {bad} missing {missing}")
+    drafter.load_state_dict({k: v for k, v in sd.items() if k in own})
 
 
 def _fmt(xs: Sequence[float]) -> str:
@@ -646,9 +712,11 @@ def _summary(
         "ce": sum(p.ce for p in win) / n,
         "tv": sum(p.tv for p in win) / n,
         "bce": sum(p.bce for p in win) / n,
+        "bce_greedy": sum(p.bce_greedy for p in win) / n,
         "greedy_match": match,
         "accept_1mtv": avg_list("accept_1mtv"),
         "conf_mean": avg_list("conf_mean"),
+        "conf_greedy_mean": avg_list("conf_greedy_mean") if win[0].conf_greedy_mean else [],
         "est_greedy": est,
         "grad_norm": gnorm,
         "lr": lr,

@@ -2,7 +2,8 @@
 
     from dspark_obs.store import Store
     with Store("store") as store:            # a directory, created on first write
-        ack = store.write("req_steps", batch)  # durable when it returns: Ack(rows, duplicates)
+        ack = store.write("req_steps", batch)  # durable when it returns: Ack(rows, duplicates,
+                                               #   segments, rejected)
     Store("store").query("FROM workload_summary")   # read-only SQL -> pyarrow.Table
 
 Why segments and not one DuckDB file: a DuckDB database opened for writing locks every
@@ -18,12 +19,18 @@ those return is the acknowledgement (the embedded engine, which emits a few rows
 step, uses this so that segments are not tiny). One writer per (table, run) at a time
 (``flock``); a second one gets a StoreError. A key (``schema.KEYS``) is stored at most once:
 rows repeated inside a batch or already stored are dropped (counted in ``Ack.duplicates``),
-so restarting a killed producer and re-sending everything duplicates nothing.
+so restarting a killed producer and re-sending everything duplicates nothing. ``write``
+validates (``schema.validate``) every batch that did not come straight from validate (the
+FanOut path is validated once); refused rows are in ``Ack.rejected``, the rest is stored.
 
 Reading. ``store.connect()`` gives a fresh DuckDB connection with the views ``runs``,
 ``steps``, ``req_steps``, ``requests`` and ``workload_summary``; ``store.query(sql)`` runs
-read-only SQL (statements that write are refused with QueryRefused). From a plain duckdb
-shell: ``.read <root>/catalog.sql``, or ``duckdb -readonly <root>/catalog.duckdb``.
+read-only SQL (statements that write are refused with QueryRefused). Both are sandboxed by
+DuckDB itself (``store/reader.py``: read-only database, no file outside the store, no
+network, no extensions, configuration locked). ``query`` skips a damaged segment (with a
+StoreWarning); ``dspark-obs store-check [--repair]`` lists damaged or foreign files and moves
+them to ``<root>/.quarantine/`` (``store/check.py``). From a plain duckdb shell: ``.read
+<root>/catalog.sql``, or ``duckdb -readonly <root>/catalog.duckdb``.
 ``store.export(dir, run_id=None)`` writes one Parquet file per table.
 
 Compaction. ``store.compact()`` merges each finished run's segments into one file and swaps
@@ -33,7 +40,7 @@ duckdb shell user re-runs it. Compact finished runs, not live ones.
 """
 
 from dspark_obs.store.guard import QueryRefused
-from dspark_obs.store.layout import StoreError
+from dspark_obs.store.layout import StoreError, StoreWarning
 from dspark_obs.store.store import Ack, Compaction, Store
 
-__all__ = ["Ack", "Compaction", "QueryRefused", "Store", "StoreError"]
+__all__ = ["Ack", "Compaction", "QueryRefused", "Store", "StoreError", "StoreWarning"]

@@ -4,6 +4,10 @@ DuckDB's own parser classifies each statement; only reads pass: SELECT (which co
 FROM-first, VALUES, DESCRIBE, SHOW, SUMMARIZE), EXPLAIN of a read, and a short list of
 PRAGMAs that only report. Everything else (INSERT, UPDATE, DELETE, CREATE, DROP, ALTER,
 COPY, EXPORT, ATTACH, SET, CALL, LOAD, writing PRAGMAs ...) is refused by name.
+
+The reader sandbox (``reader.py``) already makes DuckDB refuse every write to the database
+and every file outside the store; this guard gives the refusal a clear message, and it is
+what refuses the one write the sandbox allows: COPY / EXPORT to a path inside the store.
 """
 
 from __future__ import annotations

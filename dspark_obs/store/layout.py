@@ -7,14 +7,17 @@ Layout (``root`` is the store directory)::
     root/<table>/run_id=<enc>                 symlink -> .gen/run_id=<enc>.<generation>
     root/<table>/.gen/run_id=<enc>.<gen>/seg-*.parquet   immutable segments of one run
     root/<table>/.locks/run_id=<enc>.lock     the per-(table, run) writer lock
-    root/<table>/run_id=+schema/_schema.parquet   zero rows: keeps the glob non-empty
+    root/<table>/run_id=+schema/seg-schema.parquet   zero rows: keeps the glob non-empty
+    root/.quarantine/<stamp>/<path>           damaged or foreign files, set aside (never deleted)
 
 ``<enc>`` is the run_id percent-encoded so that DuckDB's hive partitioning decodes it back
-exactly. Readers glob ``<table>/*/*.parquet``; the glob follows each run's symlink, so a
-reader lists one generation of a run, never two. A segment is written under a name the glob
-does not match (``.tmp``), fsynced, renamed into place and its directory fsynced: readers
-see whole segments or none. Compaction writes a new generation and swaps the symlink with one
-rename (a listing shows one generation, never both), then deletes the old generation.
+exactly. Readers glob ``<table>/run_id=*/seg-*.parquet`` (the writer counts the same files:
+a stray ``backup.parquet`` is neither read nor counted); the glob follows each run's
+symlink, so a reader lists one generation of a run, never two. A segment is written under
+a name the glob does not match (``.tmp``), fsynced, renamed into place and its directory
+fsynced: readers see whole segments or none. Compaction writes a new generation and swaps
+the symlink with one rename (a listing shows one generation, never both), then deletes the
+old generation (files in it the store did not write go to ``.quarantine`` first).
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from urllib.parse import quote, unquote
+from urllib.parse import unquote
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from dspark_obs.schema import MAX_RUN_DIR_BYTES, run_dir_name
 
 SEGMENT_PREFIX = "seg-"
 SEGMENT_SUFFIX = ".parquet"
@@ -38,12 +43,10 @@ GEN_DIR = ".gen"
 LOCK_DIR = ".locks"
 # quote() always encodes "+", so no run can own this directory name.
 PLACEHOLDER_DIR = "run_id=+schema"
-PLACEHOLDER_FILE = "_schema.parquet"
+PLACEHOLDER_FILE = "seg-schema.parquet"  # matched by the readers' glob
 CATALOG_SQL = "catalog.sql"
 CATALOG_DB = "catalog.duckdb"
-# DuckDB reads this hive value as NULL, so a run with that name must be encoded differently.
-_HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"
-_MAX_NAME_BYTES = 240
+QUARANTINE_DIR = ".quarantine"
 
 # Parquet settings for segments, chosen for write speed (the ingest hot path) at a fair size:
 # snappy; one row group per segment up to 1M rows; statistics on the key columns only (they
@@ -60,16 +63,17 @@ class StoreError(RuntimeError):
     """A store operation was refused or failed; the message says what and why."""
 
 
+class StoreWarning(UserWarning):
+    """Something in the store needs attention (a damaged file was set aside or skipped)."""
+
+
 def partition_name(run_id: str) -> str:
     """The directory name for one run: ``run_id=<percent-encoded run_id>``."""
-    enc = quote(run_id, safe="")
-    if run_id == _HIVE_NULL:
-        enc = "%5F" + enc[1:]
-    name = f"run_id={enc}"
-    if len(name.encode()) > _MAX_NAME_BYTES:
+    name = run_dir_name(run_id)
+    if len(name.encode()) > MAX_RUN_DIR_BYTES:
         raise StoreError(
             f"run_id {run_id[:40]!r}... is too long for the store "
-            f"({len(name.encode())} bytes encoded; at most {_MAX_NAME_BYTES})"
+            f"({len(name.encode())} bytes encoded; at most {MAX_RUN_DIR_BYTES})"
         )
     return name
 
@@ -126,7 +130,8 @@ def clean_generations(table_dir: Path, pname: str) -> None:
 
     Readers reach segments only through the run's symlink, so a generation the symlink does
     not point at (never published, or replaced by a compaction) is garbage; so are this
-    partition's temp symlinks (made in ``.gen``).
+    partition's temp symlinks (made in ``.gen``). Files in it the store did not write (a
+    user's backup, notes) are moved to the quarantine folder first, never deleted.
     """
     tmp_link = re.compile(re.escape(f".{pname}.") + r"\d+-[0-9a-f]{8}" + re.escape(TMP_SUFFIX))
     gens = table_dir / GEN_DIR
@@ -139,10 +144,76 @@ def clean_generations(table_dir: Path, pname: str) -> None:
             (gens / name).unlink(missing_ok=True)
             removed = True
         elif pattern.fullmatch(name) and name != current:
+            for entry in os.listdir(gens / name):
+                if not (_OUR_SEGMENT.fullmatch(entry) or entry.endswith(TMP_SUFFIX)):
+                    quarantine(table_dir.parent, gens / name / entry, "not written by the store")
             shutil.rmtree(gens / name, ignore_errors=True)
             removed = True
     if removed:
         fsync_dir(gens)
+
+
+_OUR_SEGMENT = re.compile(
+    re.escape(SEGMENT_PREFIX) + r"\d{20}-\d+-[0-9a-f]{8}" + re.escape(SEGMENT_SUFFIX)
+)
+
+
+def inspect_segment(path: Path, schema: pa.Schema, deep: bool = False) -> str | None:
+    """Why a segment cannot be read as part of its table (None: it can).
+
+    Readable means: a complete Parquet file (footer intact) whose every column is a column
+    of the table with the table's type, and which has every required (key) column. Older
+    segments may lack columns added to the schema since; those read as null. ``deep``: also
+    read every page (what ``store-check`` does; footers alone are what readers check).
+    """
+    try:
+        if path.is_dir():
+            return "a directory where a segment file belongs"
+        size = path.stat().st_size
+        if size == 0:
+            return "empty file (0 bytes)"
+        file_schema = pq.read_schema(path)
+    except FileNotFoundError:
+        return None  # vanished (a compaction swapped it out): not damage
+    except (OSError, pa.ArrowException) as exc:
+        return f"not a readable Parquet file ({str(exc).splitlines()[0][:120]})"
+    want = {f.name: f for f in schema}
+    for f in file_schema:
+        if f.name == "run_id" and f.name not in want:
+            continue
+        if f.name not in want:
+            return f"column {f.name!r} is not in the table"
+        if f.type != want[f.name].type:
+            return f"column {f.name!r} is {f.type}, the table has {want[f.name].type}"
+    missing = [f.name for f in schema if not f.nullable and f.name != "run_id"
+               and f.name not in file_schema.names]
+    if missing:
+        return f"missing required column(s) {missing}"
+    if deep:
+        try:
+            pq.read_table(path)
+        except FileNotFoundError:
+            return None
+        except (OSError, pa.ArrowException) as exc:
+            return f"unreadable data ({str(exc).splitlines()[0][:120]})"
+    return None
+
+
+def quarantine(root: Path, path: Path, reason: str) -> Path:
+    """Move ``path`` (file or directory) under ``root/.quarantine/<stamp>/``, keeping its path
+    relative to the store, and leave a note of why beside it. Nothing is deleted."""
+    try:
+        rel = path.relative_to(root)
+    except ValueError:
+        rel = Path(path.name)
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{uuid.uuid4().hex[:6]}"
+    dest = root / QUARANTINE_DIR / stamp / rel
+    ensure_dir(dest.parent)
+    os.replace(path, dest)
+    fsync_dir(dest.parent)
+    fsync_dir(path.parent)
+    write_text_atomic(dest.with_name(dest.name + ".why.txt"), f"{path}\n{reason}\n")
+    return dest
 
 
 def partition_runs(root: Path, table: str) -> list[str]:
@@ -160,7 +231,7 @@ def partition_runs(root: Path, table: str) -> list[str]:
 
 def segment_glob(root: Path, table: str) -> str:
     """The glob readers use: every segment of every run (plus the schema placeholder)."""
-    return str(root.resolve() / table / "*" / f"*{SEGMENT_SUFFIX}")
+    return str(root.resolve() / table / "run_id=*" / f"{SEGMENT_PREFIX}*{SEGMENT_SUFFIX}")
 
 
 def placeholder_path(root: Path, table: str) -> Path:

@@ -18,6 +18,7 @@ import json
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,8 @@ import pyarrow.parquet as pq
 from dspark_obs import schema
 from dspark_obs.store import layout, views
 from dspark_obs.store.guard import check_read_only
-from dspark_obs.store.layout import StoreError
+from dspark_obs.store.layout import StoreError, StoreWarning
+from dspark_obs.store.reader import Reader, sandboxed_views
 
 T = TypeVar("T")
 _RANGES_KEY = b"dspark_obs.fct_ranges"  # footer metadata: {dp_rank: [min_fct, max_fct]}
@@ -42,17 +44,20 @@ _DP_SHIFT = 40  # (dp_rank << 40) | forward_ct packs a step key into one int64
 
 @dataclass(frozen=True)
 class Ack:
-    """What a write or flush made durable: rows written, rows dropped as already stored."""
+    """What a write or flush made durable: rows written, rows dropped as already stored,
+    and the rows :meth:`Store.write` refused as invalid (one RecordError each)."""
 
     rows: int = 0
     duplicates: int = 0
     segments: tuple[str, ...] = ()
+    rejected: tuple[schema.RecordError, ...] = ()
 
     def __add__(self, other: Ack) -> Ack:
         return Ack(
             self.rows + other.rows,
             self.duplicates + other.duplicates,
             self.segments + other.segments,
+            self.rejected + other.rejected,
         )
 
 
@@ -122,26 +127,26 @@ class Store:
         self._initialized = False
         self._closed = False
         self._mutex = threading.RLock()
-        self._reader_lock = threading.Lock()
-        self._reader_db: duckdb.DuckDBPyConnection | None = None
-        self._reader_present: dict[str, bool] = {}
+        self._reader = Reader(self.root)
 
     # ------------------------------------------------------------------ writing
 
     def write(self, table: str, batch: pa.Table) -> Ack:
-        """Store a validated batch of ``schema.TABLES[table]``.
+        """Store a batch of ``schema.TABLES[table]``; invalid rows are refused (``Ack.rejected``).
 
-        Default mode: returns once every row is durable (or was already stored). Buffered
-        mode: returns what this call flushed, possibly nothing yet.
+        The batch is validated with ``schema.validate`` unless it is the very table validate
+        returned (the FanOut path: validated once). Default mode: returns once every valid
+        row is durable (or was already stored). Buffered mode: returns what this call
+        flushed, possibly nothing yet.
         """
         with self._mutex:
             if self._closed:
                 raise StoreError("store is closed")
-            batch = _conform(table, batch)
+            batch, rejected = _admit(table, batch)
             if batch.num_rows == 0:
-                return Ack()
+                return Ack(rejected=rejected)
             if not self._buffered:
-                return self._write_now(table, batch)
+                return self._write_now(table, batch) + Ack(rejected=rejected)
             self._buffers.setdefault(table, []).append(batch)
             self._buffer_rows[table] = self._buffer_rows.get(table, 0) + batch.num_rows
             self._buffer_since.setdefault(table, time.monotonic())
@@ -150,7 +155,8 @@ class Store:
                 self.flush_seconds is not None
                 and time.monotonic() - self._buffer_since[table] >= self.flush_seconds
             )
-            return self._flush_table(table) if full or stale else Ack()
+            ack = self._flush_table(table) if full or stale else Ack()
+            return ack + Ack(rejected=rejected)
 
     def flush(self) -> Ack:
         """Make every buffered row durable; returns what was written (the acknowledgement)."""
@@ -172,10 +178,7 @@ class Store:
                     os.close(part.lock_fd)  # closing the descriptor drops the flock
                 self._partitions.clear()
                 self._closed = True
-                with self._reader_lock:
-                    if self._reader_db is not None:
-                        self._reader_db.close()
-                        self._reader_db = None
+                self._reader.close()
             return ack
 
     def __enter__(self) -> Store:
@@ -240,7 +243,14 @@ class Store:
             ]
             if not overlap:  # fast path: every step is newer (or on another rank)
                 return batch
-            stored = _read_keys([s.path for s in overlap], ranges, part.key_cols)
+            try:
+                stored = _read_keys([s.path for s in overlap], ranges, part.key_cols)
+            except _UNREADABLE as exc:  # footer fine, pages damaged: set it aside, re-check
+                bad = _first_unreadable(part.table, [s.path for s in overlap])
+                if bad is None:
+                    raise StoreError(f"cannot read the stored keys of {part.path}: {exc}") from exc
+                self._set_aside(part, bad, exc)
+                return self._drop_stored(part, batch)
             if stored.num_rows == 0:
                 return batch
         else:
@@ -276,7 +286,7 @@ class Store:
             current = sql_path.read_text(encoding="utf-8")
         except FileNotFoundError:
             current = None
-        if current != text or not db_path.exists():
+        if current != text or not _catalog_db_ok(db_path):
             _write_catalog_db(self.root, db_path)
         if current != text:
             layout.write_text_atomic(sql_path, text)
@@ -304,22 +314,39 @@ class Store:
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-            if not os.path.lexists(link):
+            if link.is_symlink() and not link.exists():  # its generation is gone
+                warnings.warn(
+                    f"{link} pointed to a missing generation; starting the run's table afresh",
+                    StoreWarning,
+                    stacklevel=4,
+                )
+            if not link.exists():
                 gen = layout.new_generation_name(link.name)
                 layout.ensure_dir(tdir / layout.GEN_DIR / gen)
                 layout.point_link(link, f"{layout.GEN_DIR}/{gen}")
             elif not link.is_symlink():
-                raise StoreError(f"{link} should be a symlink to a generation directory")
+                raise StoreError(
+                    f"{link} is a plain directory where a symlink to a generation belongs "
+                    "(copied in?); `dspark-obs store-check --repair` adopts it"
+                )
             layout.clean_generations(tdir, link.name)
             layout.remove_stale_tmp(link)
             key_cols = tuple(k for k in schema.KEYS[table] if k != "run_id")
             part = _Partition(table, run_id, link, fd, key_cols)
-            _load_partition(part)
+            _load_partition(self.root, part)
         except BaseException:
             os.close(fd)
             raise
         self._partitions[key] = part
         return part
+
+    def _set_aside(self, part: _Partition, path: Path, exc: BaseException) -> None:
+        """Quarantine a segment whose data cannot be read, then reload the partition."""
+        reason = f"unreadable data ({str(exc).splitlines()[0][:160]})"
+        dest = layout.quarantine(self.root, path, reason)
+        warnings.warn(f"{path}: {reason}; moved to {dest}", StoreWarning, stacklevel=4)
+        part.segments, part.keys = [], None
+        _load_partition(self.root, part)
 
     # ------------------------------------------------------------------ compaction
 
@@ -370,7 +397,13 @@ class Store:
         writer = layout.SegmentWriter(dest, schema.TABLES[part.table], meta if part.by_step else {})
         try:
             for seg in part.segments:
-                writer.write(_conform(part.table, pq.read_table(seg.path)))
+                try:
+                    data = pq.read_table(seg.path)
+                except _UNREADABLE as exc:  # footer fine, pages damaged
+                    writer.abort()
+                    self._set_aside(part, seg.path, exc)
+                    return self._compact(part)
+                writer.write(_stored(part.table, data))
         except BaseException:
             writer.abort()
             raise
@@ -385,37 +418,26 @@ class Store:
     # ------------------------------------------------------------------ reading
 
     def connect(self) -> duckdb.DuckDBPyConnection:
-        """A fresh in-memory DuckDB connection with the views runs, steps, req_steps,
-        requests and workload_summary (empty, typed views while the store has no files)."""
-        con = duckdb.connect()
-        con.execute("SET TimeZone = 'UTC'")
+        """A fresh read-only DuckDB connection, confined to the store (see
+        ``store/reader.py``), with the views runs, steps, req_steps, requests and
+        workload_summary over the segment globs, as ``catalog.sql`` defines them: a
+        long-lived connection sees new segments as they land (empty, typed views while the
+        store has no files). A damaged file fails its table's queries here until
+        ``dspark-obs store-check --repair``; :meth:`query` skips it instead."""
         present = {t: _has_files(self.root, t) for t in schema.TABLES}
-        for stmt in views.view_statements(self.root, present):
-            con.execute(stmt)
-        return con
-
-    def _reader(self) -> duckdb.DuckDBPyConnection:
-        """A cursor on this Store's private view database (opening DuckDB costs ~10 ms, a
-        cursor almost nothing). Views are rebuilt only when a table gets its first files."""
-        present = {t: _has_files(self.root, t) for t in schema.TABLES}
-        with self._reader_lock:
-            if self._reader_db is None:
-                self._reader_db = duckdb.connect()
-                self._reader_present = {}
-            if present != self._reader_present:
-                for stmt in views.view_statements(self.root, present):
-                    self._reader_db.execute(stmt)
-                self._reader_present = present
-            cur = self._reader_db.cursor()
-        cur.execute("SET TimeZone = 'UTC'")
-        return cur
+        return sandboxed_views(self.root, present)
 
     def query(self, sql: str) -> pa.Table:
-        """Run read-only SQL against the views; anything that writes raises QueryRefused."""
-        check_read_only(sql)  # the guard is what keeps the shared view database intact
+        """Run read-only SQL against the views; anything that writes raises QueryRefused.
+
+        Runs in the sandbox (read-only database, no file outside the store, no network, no
+        extensions, configuration locked); damaged segments are skipped with a StoreWarning;
+        a query that raced a compaction's swap is run again.
+        """
+        check_read_only(sql)  # COPY / EXPORT into the store: the one write DuckDB allows
 
         def run() -> pa.Table:
-            con = self._reader()
+            con = self._reader.cursor()
             try:
                 rel = con.sql(sql)
                 if rel is None:  # a statement without a result (e.g. some PRAGMAs)
@@ -424,7 +446,12 @@ class Store:
             finally:
                 con.close()
 
-        return _retry_vanished(run)
+        while True:
+            try:
+                return _retry_vanished(run)
+            except duckdb.Error as exc:  # a segment whose pages (not footer) are damaged?
+                if not self._reader.skip_if_damaged(exc):
+                    raise
 
     def export(self, dest_dir: str | os.PathLike[str], run_id: str | None = None) -> dict[str, int]:
         """Write each table (optionally one run) to ``dest_dir/<table>.parquet``, in key order.
@@ -435,7 +462,11 @@ class Store:
         dest.mkdir(parents=True, exist_ok=True)
         where = f" WHERE run_id = {views.sql_str(run_id)}" if run_id is not None else ""
         counts: dict[str, int] = {}
-        con = self.connect()
+        con = duckdb.connect()  # COPY writes outside the store: not the reader sandbox
+        for stmt in views.view_statements(
+            self.root, {t: _has_files(self.root, t) for t in schema.TABLES}
+        ):
+            con.execute(stmt)
         try:
             for table in schema.TABLES:
                 order = ", ".join(views.ident(k) for k in schema.KEYS[table])
@@ -488,6 +519,18 @@ class Store:
 # ---------------------------------------------------------------------- helpers
 
 
+_UNREADABLE = (OSError, pa.ArrowException)
+
+
+def _first_unreadable(table: str, paths: list[Path]) -> Path | None:
+    """The first of ``paths`` that does not read in full (pyarrow's errors name no file)."""
+    sch = schema.TABLES[table]
+    return next((p for p in paths if layout.inspect_segment(p, sch, deep=True)), None)
+
+
+_VANISHED = ("No such file or directory", "Cannot open file", "No files found that match")
+
+
 def _retry_vanished(fn: Callable[[], T], attempts: int = 5) -> T:
     """Run a read again if a segment it had listed vanished (a compaction swapped the run's
     generation between DuckDB's glob and its open): the next listing is consistent."""
@@ -495,7 +538,7 @@ def _retry_vanished(fn: Callable[[], T], attempts: int = 5) -> T:
         try:
             return fn()
         except duckdb.IOException as exc:
-            gone = "No such file or directory" in str(exc) or "Cannot open file" in str(exc)
+            gone = any(m in str(exc) for m in _VANISHED)
             if not gone or attempt == attempts - 1:
                 raise
             time.sleep(0.01 * (attempt + 1))
@@ -508,22 +551,28 @@ def _to_arrow(rel: duckdb.DuckDBPyRelation) -> pa.Table:
     return fetch()
 
 
-def _conform(table: str, batch: pa.Table) -> pa.Table:
-    """Accept a batch of the table's schema (cast if needed); refuse null keys."""
-    target = schema.TABLES.get(table)
-    if target is None:
+def _admit(table: str, batch: pa.Table) -> tuple[pa.Table, tuple[schema.RecordError, ...]]:
+    """The valid rows of a batch (validated here unless validate returned this very table)."""
+    if table not in schema.TABLES:
         raise StoreError(f"unknown table {table!r}; expected one of {sorted(schema.TABLES)}")
     if not isinstance(batch, pa.Table):
         raise StoreError(f"{table}: expected a pyarrow.Table, got {type(batch).__name__}")
-    if not batch.schema.equals(target, check_metadata=False):
-        try:
-            batch = schema.to_table(table, batch)[0]
-        except schema.SchemaError as exc:
-            raise StoreError(str(exc)) from exc
-    for key in schema.KEYS[table]:
-        if batch.column(key).null_count:
-            raise StoreError(f"{table}.{key}: key column has nulls; validate the batch first")
-    return batch
+    if schema.is_validated(batch) and batch.schema.equals(
+        schema.TABLES[table], check_metadata=False
+    ):
+        return batch, ()
+    try:
+        valid, errors = schema.validate(table, batch)
+    except schema.SchemaError as exc:
+        raise StoreError(str(exc)) from exc
+    return valid, tuple(errors)
+
+
+def _stored(table: str, data: pa.Table) -> pa.Table:
+    """A stored segment in the current schema (columns added since then read as null)."""
+    if data.schema.equals(schema.TABLES[table], check_metadata=False):
+        return data
+    return schema.to_table(table, data)[0]
 
 
 def _split_by_run(batch: pa.Table) -> Iterator[tuple[str, pa.Table]]:
@@ -642,16 +691,30 @@ def _read_keys(
     return pa.concat_tables(parts, promote_options="permissive")
 
 
-def _load_partition(part: _Partition) -> None:
-    """Read what a partition stores: segment footers (step ranges) or key columns."""
+def _load_partition(root: Path, part: _Partition) -> None:
+    """Read what a partition stores: segment footers (step ranges) or key columns.
+
+    A damaged segment (``layout.inspect_segment``) is moved to the quarantine folder and
+    named in a StoreWarning: the writer holds the partition's lock, so nobody else moves it.
+    """
+    sch = schema.TABLES[part.table]
     for path in layout.segment_files(part.path):
+        reason = layout.inspect_segment(path, sch)
+        if reason is not None:
+            dest = layout.quarantine(root, path, reason)
+            warnings.warn(
+                f"{path}: {reason}; moved to {dest} (its rows, if any, are not in the store)",
+                StoreWarning,
+                stacklevel=5,
+            )
+            continue
         md = pq.read_metadata(path)
         ranges: dict[int, tuple[int, int]] = {}
         if part.by_step:
-            raw = (md.metadata or {}).get(_RANGES_KEY)
-            if raw is not None:
-                ranges = {int(k): (int(v[0]), int(v[1])) for k, v in json.loads(raw).items()}
-            else:
+            try:
+                raw = json.loads((md.metadata or {})[_RANGES_KEY])
+                ranges = {int(k): (int(v[0]), int(v[1])) for k, v in raw.items()}
+            except (KeyError, ValueError, TypeError, IndexError):  # absent or garbled
                 ranges = _step_ranges(pq.read_table(path, columns=["dp_rank", "forward_ct"]))
         part.segments.append(_Segment(path, md.num_rows, ranges))
     if not part.by_step and part.key_cols and part.segments:
@@ -665,6 +728,23 @@ def _placeholder_ok(path: Path, sch: pa.Schema) -> bool:
         return pq.read_schema(path).equals(sch, check_metadata=False)
     except (FileNotFoundError, pa.ArrowInvalid, OSError):
         return False
+
+
+def _catalog_db_ok(db_path: Path) -> bool:
+    """catalog.duckdb opens and has every view (else the writer rebuilds it)."""
+    if not db_path.exists():
+        return False
+    try:
+        con = duckdb.connect(str(db_path), read_only=True)
+    except duckdb.Error:
+        return False
+    try:
+        names = {r[0] for r in con.execute("SELECT view_name FROM duckdb_views()").fetchall()}
+    except duckdb.Error:
+        return False
+    finally:
+        con.close()
+    return set(views.VIEW_NAMES) <= names
 
 
 def _write_catalog_db(root: Path, db_path: Path) -> None:
@@ -692,7 +772,11 @@ def _write_catalog_db(root: Path, db_path: Path) -> None:
 def _segments_of(root: Path, table: str) -> list[Path]:
     tdir = layout.table_dir(root, table)
     try:
-        parts = sorted(p for p in tdir.iterdir() if not p.name.startswith(".") and p.is_dir())
+        parts = sorted(
+            p
+            for p in tdir.iterdir()
+            if p.name.startswith("run_id=") and p.name != layout.PLACEHOLDER_DIR and p.is_dir()
+        )
     except FileNotFoundError:
         return []
     return [f for p in parts for f in layout.segment_files(p)]

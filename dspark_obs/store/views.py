@@ -63,23 +63,37 @@ def duckdb_types(table: str) -> tuple[tuple[str, str], ...]:
     return tuple((r[0], r[1]) for r in rows)
 
 
-def table_select(root: Path, table: str, has_files: bool) -> str:
-    """SELECT over a table's segments; a typed empty SELECT when there are no files at all."""
+def files_variable(table: str) -> str:
+    """The DuckDB variable that holds a table's file list in :meth:`Store.query`'s views."""
+    return f"dspark_files_{table}"
+
+
+def table_select(root: Path, table: str, has_files: bool, listed: bool = False) -> str:
+    """SELECT over a table's segments; a typed empty SELECT when there are no files at all.
+
+    ``listed``: read the files named by the variable :func:`files_variable` (a list the
+    caller sets per query, damaged files left out) instead of the segment glob.
+    """
     cols = ", ".join(ident(c) for c in TABLES[table].names)
     if not has_files:
         typed = ", ".join(f"CAST(NULL AS {t}) AS {ident(c)}" for c, t in duckdb_types(table))
         return f"SELECT {typed} WHERE false"
+    files = (
+        f"getvariable({sql_str(files_variable(table))})"
+        if listed
+        else sql_str(layout.segment_glob(root, table))
+    )
     src = (
-        f"read_parquet({sql_str(layout.segment_glob(root, table))}, hive_partitioning = true, "
+        f"read_parquet({files}, hive_partitioning = true, "
         "union_by_name = true, hive_types = {'run_id': VARCHAR})"
     )
     return f"SELECT {cols} FROM {src}"
 
 
-def view_statements(root: Path, present: dict[str, bool]) -> list[str]:
-    """CREATE VIEW statements for every view; ``present[table]``: the table's glob matches."""
+def view_statements(root: Path, present: dict[str, bool], listed: bool = False) -> list[str]:
+    """CREATE VIEW statements for every view; ``present[table]``: the table has files."""
     stmts = [
-        f"CREATE OR REPLACE VIEW {t} AS {table_select(root, t, present.get(t, False))}"
+        f"CREATE OR REPLACE VIEW {t} AS {table_select(root, t, present.get(t, False), listed)}"
         for t in TABLES
     ]
     stmts.append(f"CREATE OR REPLACE VIEW workload_summary AS {WORKLOAD_SUMMARY_SQL.strip()}")

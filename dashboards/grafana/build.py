@@ -1,0 +1,571 @@
+"""The Grafana dashboard, as code: ``python dashboards/grafana/build.py`` writes the JSON.
+
+Why code: every panel's PromQL is data here (``PANELS``), so the test suite can run each one
+against a real Prometheus, check that each metric it names is in the telemetry catalog
+(dspark_obs/sinks/catalog.py), and check that the committed JSON is what this file builds.
+
+Conventions every query follows:
+
+* ratios are computed in PromQL from counters, and every denominator is guarded with
+  ``> 0``: with no traffic a panel shows "no data", never NaN or +Inf;
+* ``$model``, ``$mode`` and ``$workload`` are regex variables (All = ``.*``);
+* ECE uses ``$__range``, so it is the calibration over the dashboard's time range.
+
+Built with grafana-foundation-sdk (pinned in pyproject.toml). Its classic ``Dashboard``
+builder (and the v2beta1 model that every panel builder imports) emits a DeprecationWarning
+("Prefer using dashboardv2.Dashboard") at class definition, i.e. on import. The v2 schema
+needs Grafana 12 with the kubernetesDashboards feature, while file provisioning of every
+current Grafana reads the classic JSON, so the classic builder is the right one here and that
+one warning is silenced at import, narrowly.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+with warnings.catch_warnings():  # see the module docstring: the one warning, at import
+    warnings.filterwarnings("ignore", "Prefer using dashboardv2", DeprecationWarning)
+    from grafana_foundation_sdk.builders import bargauge, heatmap, prometheus, stat, timeseries
+    from grafana_foundation_sdk.builders import common as gcommon
+    from grafana_foundation_sdk.builders import dashboard as gdash
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models import common as mcommon
+    from grafana_foundation_sdk.models import dashboard as mdash
+    from grafana_foundation_sdk.models.prometheus import PromQueryFormat
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "dashboards" / "dspark-obs.json"
+UID = "dspark-obs"
+DS = mdash.DataSourceRef(type_val="prometheus", uid="${datasource}")
+
+SEL = 'model=~"$model", mode=~"$mode", workload=~"$workload"'
+SEL_NO_MODE = 'model=~"$model", workload=~"$workload"'
+STEP_SEL = 'model=~"$model", mode=~"$mode"'
+RATE = "$__rate_interval"
+
+
+def _rate(metric: str, by: str, sel: str = SEL, window: str = RATE, fn: str = "rate") -> str:
+    return f"sum by ({by}) ({fn}({metric}{{{sel}}}[{window}]))"
+
+
+def _ratio(num: str, den: str, by: str, sel: str = SEL, window: str = RATE, fn: str = "rate"):
+    """num / den per group; groups whose denominator is 0 drop out (no NaN, no +Inf)."""
+    return f"{_rate(num, by, sel, window, fn)}\n  / ({_rate(den, by, sel, window, fn)} > 0)"
+
+
+def _quantile(q: float, metric: str, by: str, sel: str = SEL) -> str:
+    """histogram_quantile over groups that saw observations (else no data, not NaN)."""
+    buckets = _rate(f"{metric}_bucket", f"le, {by}", sel)
+    seen = _rate(f"{metric}_count", by, sel)
+    return f"histogram_quantile({q}, {buckets}\n  and on ({by}) ({seen} > 0))"
+
+
+@dataclass(frozen=True)
+class Query:
+    expr: str
+    legend: str = ""
+    instant: bool = False
+    heatmap: bool = False
+
+
+@dataclass(frozen=True)
+class PanelSpec:
+    title: str
+    kind: str  # timeseries | heatmap | bargauge | stat
+    why: str  # first half of the description; the metrics are appended
+    queries: tuple[Query, ...]
+    unit: str = ""
+    width: int = 12
+    height: int = 8
+    min: float | None = None
+    max: float | None = None
+
+    @property
+    def metrics(self) -> list[str]:
+        """The catalog metrics its queries read (series suffixes stripped)."""
+        names = set()
+        for q in self.queries:
+            for name in re.findall(r"\b(dspark_[a-z0-9_]+)(?=[{\[])", q.expr):
+                names.add(re.sub(r"_(bucket|sum|count)$", "", name))
+        return sorted(names)
+
+    @property
+    def description(self) -> str:
+        return f"{self.why} Metrics: {', '.join(self.metrics)}."
+
+
+ECE_EXPR = (
+    "sum by (position) (abs(\n"
+    f"    {_rate('dspark_calibration_predicted_sum_total', 'position, bin', window='$__range', fn='increase')}\n"  # noqa: E501
+    f"  - {_rate('dspark_calibration_accepted_total', 'position, bin', window='$__range', fn='increase')}\n"  # noqa: E501
+    "))\n"
+    f"  / ({_rate('dspark_calibration_observations_total', 'position', window='$__range', fn='increase')} > 0)"  # noqa: E501
+)
+
+PANELS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
+    (
+        "Throughput and latency",
+        (
+            PanelSpec(
+                "Committed tokens/s",
+                "timeseries",
+                "Tokens committed per second (bonus included), per mode and workload.",
+                (
+                    Query(
+                        _rate("dspark_committed_tokens_total", "mode, workload"),
+                        "{{mode}} {{workload}}",
+                    ),
+                ),
+                unit="short",
+                width=8,
+            ),
+            PanelSpec(
+                "Accept length",
+                "timeseries",
+                "Committed tokens per request-step (acc_len, bonus included); no data "
+                "without traffic.",
+                (
+                    Query(
+                        _ratio(
+                            "dspark_committed_tokens_total",
+                            "dspark_req_steps_total",
+                            "mode, workload",
+                        ),
+                        "{{mode}} {{workload}}",
+                    ),
+                ),
+                unit="short",
+                width=8,
+                min=0,
+            ),
+            PanelSpec(
+                "Finished requests/s",
+                "timeseries",
+                "Requests finished per second by finish reason (stop | length | abort).",
+                (
+                    Query(
+                        _rate("dspark_requests_total", "mode, finish_reason"),
+                        "{{mode}} {{finish_reason}}",
+                    ),
+                ),
+                unit="reqps",
+                width=8,
+            ),
+            PanelSpec(
+                "TTFT p50 / p95",
+                "timeseries",
+                "Time to first token (arrival to first token), quantiles from the GenAI "
+                "bucketed histogram.",
+                (
+                    Query(
+                        _quantile(0.5, "dspark_time_to_first_token_seconds", "workload"),
+                        "p50 {{workload}}",
+                    ),
+                    Query(
+                        _quantile(0.95, "dspark_time_to_first_token_seconds", "workload"),
+                        "p95 {{workload}}",
+                    ),
+                ),
+                unit="s",
+            ),
+            PanelSpec(
+                "TPOT p50 / p95",
+                "timeseries",
+                "Time per output token, first token excluded (SGLang bench_serving's TPOT).",
+                (
+                    Query(
+                        _quantile(0.5, "dspark_time_per_output_token_seconds", "workload"),
+                        "p50 {{workload}}",
+                    ),
+                    Query(
+                        _quantile(0.95, "dspark_time_per_output_token_seconds", "workload"),
+                        "p95 {{workload}}",
+                    ),
+                ),
+                unit="s",
+            ),
+        ),
+    ),
+    (
+        "Acceptance and windows",
+        (
+            PanelSpec(
+                "Acceptance per position",
+                "timeseries",
+                "P(drafts 1..j accepted) over observed positions only: a position trimmed "
+                "away by compact is never counted as a rejection.",
+                (
+                    Query(
+                        _ratio(
+                            "dspark_position_accepted_total",
+                            "dspark_position_observed_total",
+                            "position",
+                        ),
+                        "j={{position}}",
+                    ),
+                ),
+                unit="percentunit",
+                min=0,
+                max=1,
+            ),
+            PanelSpec(
+                "Verify-window distribution",
+                "heatmap",
+                "How many request-steps verified each window size verify_len (1..gamma+1, "
+                "anchor included) per interval: the scheduler's window choice over time.",
+                (
+                    Query(
+                        f"sum by (le) (increase(dspark_verify_window_bucket{{{SEL}}}[{RATE}]))",
+                        "{{le}}",
+                        heatmap=True,
+                    ),
+                ),
+            ),
+            PanelSpec(
+                "Mean window and budget",
+                "timeseries",
+                "Mean verify window per workload, and the scheduler's mean extra-token budget "
+                "per step.",
+                (
+                    Query(
+                        _ratio(
+                            "dspark_verify_window_sum", "dspark_verify_window_count", "workload"
+                        ),
+                        "window {{workload}}",
+                    ),
+                    Query(
+                        _ratio(
+                            "dspark_step_budget_tokens_total",
+                            "dspark_steps_total",
+                            "mode",
+                            sel=STEP_SEL,
+                        ),
+                        "budget {{mode}}",
+                    ),
+                ),
+                unit="short",
+                min=0,
+            ),
+            PanelSpec(
+                "Mean batch size",
+                "timeseries",
+                "Running requests per decode step.",
+                (
+                    Query(
+                        _ratio(
+                            "dspark_step_requests_total", "dspark_steps_total", "mode", sel=STEP_SEL
+                        ),
+                        "{{mode}}",
+                    ),
+                ),
+                unit="short",
+                min=0,
+            ),
+        ),
+    ),
+    (
+        "Acceptance ceiling",
+        (
+            PanelSpec(
+                "Utilization (committed / ceiling)",
+                "timeseries",
+                "Share of the full-block ceiling that was committed, on steps with an exact "
+                "ceiling (cap-accept companions and static runs).",
+                (
+                    Query(
+                        _ratio(
+                            "dspark_ceiling_committed_tokens_total",
+                            "dspark_ceiling_tokens_total",
+                            "workload",
+                            sel=SEL_NO_MODE,
+                        ),
+                        "{{workload}}",
+                    ),
+                ),
+                unit="percentunit",
+                min=0,
+                max=1,
+                width=8,
+            ),
+            PanelSpec(
+                "Ceiling vs committed per step",
+                "timeseries",
+                "Mean ceiling (acc_len + cap_trim) and mean committed per request-step, exact "
+                "steps only.",
+                (
+                    Query(
+                        _ratio(
+                            "dspark_ceiling_tokens_total",
+                            "dspark_ceiling_steps_total",
+                            "workload",
+                            sel=SEL_NO_MODE,
+                        ),
+                        "ceiling {{workload}}",
+                    ),
+                    Query(
+                        _ratio(
+                            "dspark_ceiling_committed_tokens_total",
+                            "dspark_ceiling_steps_total",
+                            "workload",
+                            sel=SEL_NO_MODE,
+                        ),
+                        "committed {{workload}}",
+                    ),
+                ),
+                unit="short",
+                min=0,
+                width=8,
+            ),
+            PanelSpec(
+                "Tokens left on the table /s",
+                "timeseries",
+                "Tokens trimming left behind per second (cap_trim measured by cap-accept).",
+                (
+                    Query(
+                        _rate("dspark_cap_trim_tokens_total", "workload", sel=SEL_NO_MODE),
+                        "{{workload}}",
+                    ),
+                ),
+                unit="short",
+                min=0,
+                width=8,
+            ),
+            PanelSpec(
+                "Estimator vs companion truth",
+                "timeseries",
+                "Block-accept estimate of the mean ceiling from compact runs alone "
+                "(SGLang's bracket lo / hi and the point estimate), beside the exact mean "
+                "ceiling the cap-accept companion measured.",
+                (
+                    Query(
+                        _ratio(
+                            "dspark_estimator_lo_tokens_total",
+                            "dspark_estimator_blocks_total",
+                            "workload",
+                            sel=SEL_NO_MODE,
+                        ),
+                        "lo {{workload}}",
+                    ),
+                    Query(
+                        _ratio(
+                            "dspark_estimator_point_tokens_total",
+                            "dspark_estimator_blocks_total",
+                            "workload",
+                            sel=SEL_NO_MODE,
+                        ),
+                        "point {{workload}}",
+                    ),
+                    Query(
+                        _ratio(
+                            "dspark_estimator_hi_tokens_total",
+                            "dspark_estimator_blocks_total",
+                            "workload",
+                            sel=SEL_NO_MODE,
+                        ),
+                        "hi {{workload}}",
+                    ),
+                    Query(
+                        _ratio(
+                            "dspark_ceiling_tokens_total",
+                            "dspark_ceiling_steps_total",
+                            "workload",
+                            sel=f'{SEL_NO_MODE}, mode="cap-accept"',
+                        ),
+                        "truth {{workload}}",
+                    ),
+                ),
+                unit="short",
+                width=24,
+            ),
+        ),
+    ),
+    (
+        "Calibration and cost model",
+        (
+            PanelSpec(
+                "ECE per position (dashboard time range)",
+                "bargauge",
+                "Expected calibration error of survival S_j per draft position over the "
+                "selected time range: 15 equal-width bins, sum_b |sum pred - sum label| / N, "
+                "as SGLang's STS fitter computes it.",
+                (Query(ECE_EXPR, "j={{position}}", instant=True),),
+                unit="short",
+                min=0,
+                max=0.5,
+                width=8,
+            ),
+            PanelSpec(
+                "Predicted vs measured step time",
+                "timeseries",
+                "Mean step time the cost table predicted and the measured mean over the same "
+                "steps, and their mean absolute error.",
+                (
+                    Query(
+                        _ratio(
+                            "dspark_step_predicted_seconds_total",
+                            "dspark_step_predicted_steps_total",
+                            "mode",
+                            sel=STEP_SEL,
+                        ),
+                        "predicted {{mode}}",
+                    ),
+                    Query(
+                        _ratio(
+                            "dspark_step_measured_seconds_total",
+                            "dspark_step_predicted_steps_total",
+                            "mode",
+                            sel=STEP_SEL,
+                        ),
+                        "measured {{mode}}",
+                    ),
+                    Query(
+                        _ratio(
+                            "dspark_step_prediction_abs_error_seconds_total",
+                            "dspark_step_predicted_steps_total",
+                            "mode",
+                            sel=STEP_SEL,
+                        ),
+                        "abs error {{mode}}",
+                    ),
+                ),
+                unit="s",
+                min=0,
+                width=8,
+            ),
+            PanelSpec(
+                "Rejected records",
+                "stat",
+                "Rows refused by schema validation over the time range, all tables and reasons "
+                "(0 when none was refused).",
+                (
+                    Query(
+                        "sum(increase(dspark_records_rejected_total[$__range])) or vector(0)",
+                        "rejected",
+                        instant=True,
+                    ),
+                ),
+                unit="short",
+                width=8,
+            ),
+        ),
+    ),
+)
+
+
+def _target(q: Query, ref: str) -> prometheus.Dataquery:
+    t = prometheus.Dataquery().expr(q.expr).legend_format(q.legend).ref_id(ref).datasource(DS)
+    if q.instant:
+        t = t.instant()
+    if q.heatmap:
+        t = t.format(PromQueryFormat.HEATMAP)
+    return t
+
+
+def _panel(p: PanelSpec):
+    if p.kind == "heatmap":
+        b = (
+            heatmap.Panel()
+            .calculate(False)
+            .color(heatmap.HeatmapColorOptions().scheme("Blues").steps(64))
+            .y_axis(heatmap.YAxisConfig().unit("short"))
+            .show_legend()
+        )
+    elif p.kind == "bargauge":
+        b = (
+            bargauge.Panel()
+            .orientation(mcommon.VizOrientation.HORIZONTAL)
+            .display_mode(mcommon.BarGaugeDisplayMode.GRADIENT)
+            .reduce_options(gcommon.ReduceDataOptions().calcs(["lastNotNull"]))
+        )
+    elif p.kind == "stat":
+        b = stat.Panel().reduce_options(gcommon.ReduceDataOptions().calcs(["lastNotNull"]))
+    else:
+        legend = (
+            gcommon.VizLegendOptions()
+            .show_legend(True)
+            .display_mode(mcommon.LegendDisplayMode.LIST)
+            .placement(mcommon.LegendPlacement.BOTTOM)
+        )
+        b = timeseries.Panel().line_width(1).fill_opacity(10).legend(legend)
+    b = b.title(p.title).description(p.description).datasource(DS).span(p.width).height(p.height)
+    if p.unit:
+        b = b.unit(p.unit)
+    if p.min is not None:
+        b = b.min(p.min)
+    if p.max is not None:
+        b = b.max(p.max)
+    for i, q in enumerate(p.queries):
+        b = b.with_target(_target(q, chr(ord("A") + i)))
+    return b
+
+
+def _label_variable(name: str, label: str, metric: str) -> gdash.QueryVariable:
+    return (
+        gdash.QueryVariable(name)
+        .label(label)
+        .datasource(DS)
+        .query({"query": f"label_values({metric}, {name})", "refId": "vars"})
+        .definition(f"label_values({metric}, {name})")
+        .refresh(mdash.VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .multi(True)
+        .include_all(True)
+        .all_value(".*")
+        .current(mdash.VariableOption(selected=True, text="All", value="$__all"))
+        .sort(mdash.VariableSort.ALPHABETICAL_ASC)
+    )
+
+
+def build_dashboard() -> dict:
+    """The dashboard as the JSON object Grafana's file provisioning reads."""
+    d = (
+        gdash.Dashboard("DSpark speculative decoding")
+        .uid(UID)
+        .description(
+            "Live DSpark metrics from dspark-obs (dspark-obs serve /metrics): acceptance, "
+            "windows, acceptance ceiling, estimator, calibration, cost model, latency."
+        )
+        .tags(["dspark", "speculative-decoding", "dspark-obs"])
+        .editable()
+        .timezone("browser")
+        .time("now-30m", "now")
+        .refresh("10s")
+        .with_variable(
+            gdash.DatasourceVariable("datasource").label("Prometheus").type("prometheus")
+        )
+        .with_variable(_label_variable("model", "Model", "dspark_steps_total"))
+        .with_variable(_label_variable("mode", "Mode", "dspark_steps_total"))
+        .with_variable(_label_variable("workload", "Workload", "dspark_req_steps_total"))
+    )
+    for row, panels in PANELS:
+        d = d.with_row(gdash.Row(row))
+        for p in panels:
+            d = d.with_panel(_panel(p))
+    return json.loads(json.dumps(d.build(), cls=JSONEncoder))
+
+
+def render() -> str:
+    return json.dumps(build_dashboard(), indent=2, sort_keys=True) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    """Write (default) or --check the committed JSON."""
+    text = render()
+    if "--check" in argv:
+        if not OUT.exists() or OUT.read_text() != text:
+            print(f"{OUT} is stale: run python {Path(__file__).relative_to(Path.cwd())}")
+            return 1
+        print(f"{OUT} is up to date")
+        return 0
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(text)
+    print(f"wrote {OUT} ({sum(len(p) for _, p in PANELS)} panels)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

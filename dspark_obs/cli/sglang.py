@@ -1,0 +1,342 @@
+"""``dspark-obs engine-server | collect | drive | sglang launch``: SGLang integration."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from dspark_obs.cli.store import StoreOpt
+
+sglang_app = typer.Typer(
+    help="SGLang DSpark servers: launch profiles (compact + cap-accept companion).",
+    no_args_is_help=True,
+)
+
+
+def _fail(msg: str) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(1)
+
+
+def engine_server_command(
+    port: Annotated[int, typer.Option(help="Port (0: a free one, printed).")] = 30000,
+    host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
+    mode: Annotated[
+        str | None,
+        typer.Option(help="static | compact | cap-accept (default: $SGLANG_RAGGED_VERIFY_MODE, "
+                     "else static, as SGLang)."),
+    ] = None,
+    gamma: Annotated[int, typer.Option(help="Draft block size.")] = 5,
+    lag: Annotated[
+        int | None,
+        typer.Option(help="Relay lag (default: $SGLANG_DSPARK_CONFIDENCE_RELAY_LAG_STEPS or 2)."),
+    ] = None,
+    max_batch: Annotated[int, typer.Option(help="Continuous-batching capacity.")] = 16,
+    cost_table: Annotated[
+        Path | None, typer.Option(help="SGLang SPS cost table JSON (CPU default: shipped table).")
+    ] = None,
+    sts: Annotated[Path | None, typer.Option(help="SGLang STS temperatures JSON.")] = None,
+    drafter: Annotated[Path | None, typer.Option(help="Drafter checkpoint directory.")] = None,
+    tiny: Annotated[
+        bool, typer.Option("--tiny", help="A tiny random model over bytes (fast; for tests).")
+    ] = False,
+    device: Annotated[str, typer.Option(help="cpu | cuda.")] = "cpu",
+    dump: Annotated[
+        str | None,
+        typer.Option(help="Step-dump components, comma list or 'all' (default: "
+                     "$SGLANG_DSPARK_DEBUG_DUMP, else all)."),
+    ] = None,
+    max_records: Annotated[int, typer.Option(help="Step-dump ring buffer size.")] = 200_000,
+    estimator_path: Annotated[
+        Path | None,
+        typer.Option(help="Block-accept estimator JSONL (default: "
+                     "$SGLANG_DSPARK_BLOCK_ACCEPT_ESTIMATE_PATH; compact mode writes it)."),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the --tiny model's weights.")] = 0,
+) -> None:
+    """Serve the embedded DSpark engine with SGLang's HTTP API (/generate, OpenAI chat,
+    /server_info step dump, /metrics, /set_internal_state), so the collector, the driver and
+    any OpenAI client work against it without a GPU."""
+    from dspark_obs.engine.costs import CostTableError
+    from dspark_obs.engine.loop import EngineError
+    from dspark_obs.sglang.engine_server import (
+        EngineServer,
+        ServerError,
+        ServerOptions,
+        build_service,
+    )
+
+    opts = ServerOptions(
+        host=host, port=port, mode=mode, gamma=gamma, lag=lag, max_batch=max_batch,
+        cost_table=cost_table, sts=sts, drafter=drafter, tiny=tiny, device=device, dump=dump,
+        max_records=max_records, estimator_path=estimator_path, seed=seed,
+    )
+    try:
+        service = build_service(opts)
+        server = EngineServer(service, host, port)
+    except (ServerError, EngineError, CostTableError, OSError, ValueError) as exc:
+        _fail(str(exc))
+    cfg = service.engine.cfg
+    typer.echo(
+        f"engine-server {service.config.model_name} mode={cfg.mode} gamma={cfg.gamma} "
+        f"listening on {server.url}", err=True
+    )
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.httpd.shutdown).start())
+    with contextlib.suppress(KeyboardInterrupt):
+        server.serve_forever()
+
+
+def collect_command(
+    url: Annotated[str, typer.Option(help="The (compact) server, e.g. http://127.0.0.1:30000.")],
+    companion_url: Annotated[
+        str | None, typer.Option(help="Its cap-accept companion server.")
+    ] = None,
+    run_id: Annotated[str | None, typer.Option(help="Run id (default: random).")] = None,
+    companion_run_id: Annotated[
+        str | None, typer.Option(help="Companion run id (default: RUN-cap).")
+    ] = None,
+    store: StoreOpt = Path("store"),
+    metrics_port: Annotated[
+        int | None, typer.Option(help="Also serve the records as Prometheus /metrics here.")
+    ] = None,
+    otlp_endpoint: Annotated[
+        str | None, typer.Option(help="Also export OpenTelemetry metrics (OTLP/HTTP).")
+    ] = None,
+    estimator_jsonl: Annotated[
+        Path | None, typer.Option(help="The server's SGLANG_DSPARK_BLOCK_ACCEPT_ESTIMATE_PATH.")
+    ] = None,
+    companion_estimator_jsonl: Annotated[
+        Path | None, typer.Option(help="The companion's estimator JSONL.")
+    ] = None,
+    clear: Annotated[
+        bool,
+        typer.Option("--clear/--dedupe", help="Clear the server's ring buffer after each read "
+                     "(small reads; steps between read and clear can be lost) or de-duplicate."),
+    ] = False,
+    interval: Annotated[float, typer.Option(help="Seconds between polls.")] = 1.0,
+    duration: Annotated[
+        float | None, typer.Option(help="Stop after this many seconds (default: Ctrl-C).")
+    ] = None,
+    timeout: Annotated[float, typer.Option(help="HTTP timeout per request (s).")] = 30.0,
+    workload_file: Annotated[
+        Path | None, typer.Option(help="Traffic JSONL the driver sends: labels rids by workload.")
+    ] = None,
+    ring_size: Annotated[
+        int, typer.Option(help="The server's step-dump ring buffer size (overflow detection).")
+    ] = 200_000,
+) -> None:
+    """Poll SGLang /server_info step dumps (every DP rank), tail the estimator JSONL, scrape
+    /metrics, and store it all (plus a runs row with mode, gamma, model, drafter) through the
+    same sinks as the engine. Faults are reported and retried; nothing is stored twice."""
+    from dspark_obs.engine.session import new_run_id
+    from dspark_obs.sglang.collector import Collector, CollectorOptions
+    from dspark_obs.store import Store, StoreError
+
+    workloads = temperature = workload = None
+    if workload_file is not None:
+        from dspark_obs.workloads import WorkloadFileError, load_traffic
+
+        try:
+            traffic = load_traffic(workload_file)
+        except (WorkloadFileError, OSError) as exc:
+            _fail(str(exc))
+        workloads = {t.rid: t.prompt.workload for t in traffic}
+        temps = {t.temperature for t in traffic}
+        temperature = temps.pop() if len(temps) == 1 else None
+        names = set(workloads.values())
+        workload = names.pop() if len(names) == 1 else "mixed"
+    run_id = run_id or new_run_id("sglang")
+    state_dir = Path(store) / ".collector"
+    servers = [CollectorOptions(url, run_id, estimator_path=estimator_jsonl, clear=clear,
+                                timeout_s=timeout, workloads=workloads, temperature=temperature,
+                                workload=workload, state_dir=state_dir, ring_size=ring_size)]
+    if companion_url:
+        servers.append(CollectorOptions(
+            companion_url, companion_run_id or f"{run_id}-cap", companion_of=run_id,
+            estimator_path=companion_estimator_jsonl, clear=clear, timeout_s=timeout,
+            workloads=workloads, temperature=temperature, workload=workload,
+            state_dir=state_dir, ring_size=ring_size))
+    try:
+        sinks = [Store(store)]
+        if metrics_port is not None or otlp_endpoint is not None:
+            from dspark_obs.sinks import telemetry_sinks
+
+            sinks += telemetry_sinks(metrics_port, otlp_endpoint)
+    except (StoreError, ValueError, OSError) as exc:
+        _fail(str(exc))
+    col = Collector(servers, sinks, interval_s=interval,
+                    report=lambda run, msg: typer.echo(f"[{run}] {msg}", err=True))
+    typer.echo(f"collecting {url} -> run {run_id}"
+               + (f", {companion_url} -> {servers[1].run_id}" if companion_url else ""), err=True)
+    signal.signal(signal.SIGTERM, lambda *_: col.stop())
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            col.run(duration)
+        col.finish()
+    except (StoreError, OSError) as exc:  # the store refused a write: stop, nothing half-done
+        _fail(f"store {store}: {exc}")
+    for sc in col.servers:
+        t = sc.totals
+        typer.echo(
+            f"{sc.opts.run_id}: {t.polls} polls ({t.failed_polls} failed), {t.steps} steps, "
+            f"{t.req_steps} request-steps, {t.rejected} rejected, {t.restarts} restarts, "
+            f"{t.overflows} overflows, {t.estimator_lines} estimator lines"
+            + (f", sglang:spec_verify_calls_total={t.metrics['sglang:spec_verify_calls_total']:g}"
+               if "sglang:spec_verify_calls_total" in t.metrics else ""),
+        )
+
+
+def drive_command(
+    url: Annotated[str, typer.Option(help="The (compact) server.")],
+    run_id: Annotated[str, typer.Option(help="The run its requests belong to (as collected).")],
+    companion_url: Annotated[str | None, typer.Option(help="Its cap-accept companion.")] = None,
+    companion_run_id: Annotated[
+        str | None, typer.Option(help="Companion run id (default: RUN-cap).")
+    ] = None,
+    workload: Annotated[str, typer.Option(help="math | chat | poetry | mixed | random.")] = "mixed",
+    workload_file: Annotated[
+        Path | None, typer.Option(help="Send this traffic JSONL instead (dspark_obs.workloads).")
+    ] = None,
+    requests: Annotated[int, typer.Option("--requests", "-n", help="How many requests.")] = 24,
+    max_new_tokens: Annotated[int, typer.Option(help="Per-request output limit.")] = 64,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature (0 = greedy).")] = 0.0,
+    seed: Annotated[int, typer.Option(help="Seeds prompts, order, per-request sampling.")] = 0,
+    concurrency: Annotated[int, typer.Option(help="Requests in flight at most.")] = 4,
+    request_rate: Annotated[
+        float, typer.Option(help="Poisson arrivals per second (inf: all at once).")
+    ] = math.inf,
+    api: Annotated[str, typer.Option(help="sglang (/generate) | openai (chat completions).")] = (
+        "openai"
+    ),
+    store: StoreOpt = Path("store"),
+) -> None:
+    """Send the same seeded mixed workload to a server and its companion, one after the other,
+    and store each request's meta_info and timings (TTFT, TPOT) as requests rows."""
+    from dspark_obs.serving.client import ClientError, GenerationRequest
+    from dspark_obs.serving.workloads import build_requests
+    from dspark_obs.sglang.drive import DriveTarget, drive
+    from dspark_obs.store import Store, StoreError
+
+    try:
+        if workload_file is not None:
+            from dspark_obs.workloads import load_traffic
+
+            reqs = [GenerationRequest(rid=t.rid, messages=t.prompt.messages,
+                                      max_new_tokens=t.max_new_tokens, temperature=t.temperature,
+                                      top_p=t.top_p, top_k=t.top_k, seed=t.seed,
+                                      workload=t.prompt.workload)
+                    for t in load_traffic(workload_file)]
+        else:
+            reqs = build_requests(workload, requests, output_len=max_new_tokens, seed=seed,
+                                  temperature=temperature)
+        targets = [DriveTarget(url, run_id)]
+        if companion_url:
+            targets.append(DriveTarget(companion_url, companion_run_id or f"{run_id}-cap"))
+        out = drive(targets, reqs, [Store(store)], api=api, concurrency=concurrency,
+                    request_rate=request_rate, seed=seed)
+    except (ClientError, StoreError, ValueError, OSError) as exc:
+        _fail(str(exc))
+    for run, results in out.items():
+        ok = [r for r in results if r.ok]
+        typer.echo(f"{run}: {len(ok)}/{len(results)} ok, "
+                   f"{sum(r.completion_tokens for r in ok)} tokens")
+        for r in results:
+            if not r.ok:
+                typer.echo(f"  {r.rid}: {r.error}", err=True)
+
+
+def ingest_dump_command(
+    path: Annotated[Path, typer.Argument(help="A saved /server_info body or dspark_info_record.")],
+    run_id: Annotated[str, typer.Option(help="The run to store it as.")],
+    companion_of: Annotated[
+        str | None, typer.Option(help="For a cap-accept dump: the compact run it shadows.")
+    ] = None,
+    sps_records: Annotated[
+        Path | None, typer.Option(help="Also the SPS profiler's <stem>.records.jsonl.")
+    ] = None,
+    store: StoreOpt = Path("store"),
+) -> None:
+    """Store a saved SGLang step dump (with its runs row: mode, gamma, model, drafter)."""
+    from dspark_obs.fanout import FanOut
+    from dspark_obs.sglang import DumpError, ingest_dump
+    from dspark_obs.sglang.files import read_sps_records
+    from dspark_obs.store import Store, StoreError
+
+    try:
+        fan = FanOut([Store(store)])
+        res = ingest_dump(path.read_bytes(), run_id, fan, companion_of=companion_of)
+        typer.echo(f"{run_id}: {res.steps} steps, {res.req_steps} request-steps, "
+                   f"{res.rejected} rejected")
+        if sps_records is not None:
+            table, errors = read_sps_records(sps_records, f"{run_id}-sps")
+            fan.emit("runs", [{**res.run, "run_id": f"{run_id}-sps", "mode": "static",
+                               "companion_of": None}])
+            fan.emit("steps", table)
+            typer.echo(f"{run_id}-sps: {table.num_rows} profiler steps, {len(errors)} bad lines")
+            for e in errors[:10]:
+                typer.echo(f"  {sps_records}: {e}", err=True)
+        for e in fan.errors[:10]:
+            typer.echo(f"  rejected {e}", err=True)
+        fan.close()
+    except (DumpError, StoreError, OSError) as exc:
+        _fail(f"{path}: {exc}")
+
+
+def launch_command(
+    target: Annotated[str, typer.Option(help="Target model path or HF id.")],
+    drafter: Annotated[str, typer.Option(help="DSpark drafter path (with a confidence head).")],
+    gamma: Annotated[int, typer.Option(help="Draft block size.")] = 5,
+    port: Annotated[int, typer.Option(help="Compact server port.")] = 30000,
+    companion_port: Annotated[int, typer.Option(help="Cap-accept companion port.")] = 30001,
+    host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
+    sps_table: Annotated[str | None, typer.Option(help="SPS cost table JSON.")] = None,
+    sts: Annotated[str | None, typer.Option(help="STS temperatures JSON.")] = None,
+    lag: Annotated[int, typer.Option(help="Confidence relay lag (steps).")] = 2,
+    out_dir: Annotated[str, typer.Option(help="Where estimator JSONL and STS shards go.")] = (
+        "sglang-out"
+    ),
+    run: Annotated[
+        bool, typer.Option("--run/--print", help="Start both servers, or print the commands.")
+    ] = False,
+) -> None:
+    """The command lines and environments of a compact DSpark server and its cap-accept
+    companion (step dump with reqs, estimator JSONL, STS shards, SPS table, relay lag)."""
+    from dspark_obs.sglang.profiles import LaunchError, launch, server_profiles
+
+    try:
+        profiles = server_profiles(target, drafter, gamma=gamma, host=host, port=port,
+                                   companion_port=companion_port, sps_table=sps_table, sts=sts,
+                                   lag=lag, out_dir=out_dir)
+        if not run:
+            for p in profiles:
+                typer.echo(f"# {p.role}: {p.url}\n{p.shell()}\n")
+            est = profiles[0].env["SGLANG_DSPARK_BLOCK_ACCEPT_ESTIMATE_PATH"]
+            typer.echo(f"# then: dspark-obs collect --url {profiles[0].url} "
+                       f"--companion-url {profiles[1].url} --estimator-jsonl {est}")
+            return
+        procs = launch(profiles)
+    except LaunchError as exc:
+        _fail(str(exc))
+    try:
+        codes = [p.wait() for p in procs]
+    except KeyboardInterrupt:
+        for p in procs:
+            p.terminate()
+        codes = [p.wait() for p in procs]
+    sys.exit(max(codes))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("engine-server")(engine_server_command)
+    app.command("collect")(collect_command)
+    app.command("drive")(drive_command)
+    app.command("ingest-dump")(ingest_dump_command)
+    sglang_app.command("launch")(launch_command)
+    app.add_typer(sglang_app, name="sglang")

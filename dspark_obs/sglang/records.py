@@ -1,0 +1,284 @@
+"""SGLang 0.5.23's per-step dump (GET /server_info -> dspark_info_record) as typed records.
+
+The two record types follow SGLang's field rules: the same names and types, fields at their
+default are left out of the JSON (``omit_defaults``), ``forward_ct`` and the ReqDetail ints
+and ``draft_tokens`` are required. ``tests/test_sglang_schema.py`` checks these definitions
+against the class definitions in the sglang wheel (read with ``ast``, never imported).
+
+Reading is the hot path (a full ring buffer is 200,000 steps; at batch 64 with ``reqs`` that
+is 12.8 million request rows, about 4 GB of JSON): :func:`decode_server_info` scans the body
+once with msgspec and keeps each step record as an undecoded slice (``msgspec.Raw``);
+:func:`records_to_tables` turns slices, a chunk at a time, into Arrow tables of the store's
+``steps`` and ``req_steps`` schemas with Arrow's multi-threaded JSON reader, so no Python
+object is ever built per row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pa_json
+
+from dspark_obs.schema import (
+    REQ_STEPS,
+    SGLANG_REQ_INT_FIELDS,
+    SGLANG_STEP_FLOAT_FIELDS,
+    SGLANG_STEP_INT_FIELDS,
+    STEPS,
+)
+
+__all__ = [
+    "DecodeStepRecord",
+    "DumpError",
+    "InfoDump",
+    "RankDump",
+    "ReqDetail",
+    "ServerInfo",
+    "decode_server_info",
+    "records_to_tables",
+]
+
+MAX_RECORDS = 200_000
+"""SGLang's ring buffer size (INFO_DUMP_MAX_RECORDS)."""
+
+COMPONENTS = ("core", "draft_gpu_time", "reqs", "step_cpu_time", "step_gpu_time",
+              "target_verify_gpu_time")
+"""SGLANG_DSPARK_DEBUG_DUMP tokens ("all" enables every one)."""
+
+
+class DumpError(ValueError):
+    """A /server_info body that cannot be read (truncated, not JSON, wrong shape)."""
+
+
+class ReqDetail(msgspec.Struct, omit_defaults=True, gc=False):
+    """One request in one decode step (SGLang's ReqDetail)."""
+
+    req_pool_index: int
+    prefix_len: int
+    verify_len: int
+    acc_len: int
+    correct_drafts: int
+    cap_trim: int
+    bonus_token: int
+    draft_tokens: list[int]
+    rid: str | None = None
+    confidence: list[float] | None = None
+    survival: list[float] | None = None
+
+
+class DecodeStepRecord(msgspec.Struct, omit_defaults=True, gc=False):
+    """One decode step of one DP rank (SGLang's DecodeStepRecord)."""
+
+    forward_ct: int
+    bs: int = -1
+    mode: str = ""
+    budget: int | None = None
+    lag_steps: int | None = None
+    num_running_reqs: int = -1
+    num_verify_tokens: int = -1
+    verify_tokens_local: int = -1
+    verify_tokens_dp_synced: int = -1
+    verify_tokens_graph_key: int = -1
+    predicted_step_ms: float | None = None
+    predicted_theta: float | None = None
+    step_cpu_ms: float | None = None
+    step_gpu_ms: float | None = None
+    draft_gpu_ms: float | None = None
+    target_verify_gpu_ms: float | None = None
+    reqs: list[ReqDetail] | None = None
+
+
+class InfoDump(msgspec.Struct):
+    """The ``dspark_info_record`` a server writes (records as typed structs)."""
+
+    mode: str
+    gamma: int
+    verify_num_draft_tokens: int
+    components: list[str]
+    records: list[DecodeStepRecord]
+
+
+class RankDump(msgspec.Struct, gc=False):
+    """The ``dspark_info_record`` a collector reads: step records left undecoded."""
+
+    mode: str = ""
+    gamma: int = 0
+    verify_num_draft_tokens: int = 0
+    components: list[str] = []
+    records: list[msgspec.Raw] = []
+
+
+class _InternalState(msgspec.Struct, gc=False):
+    dspark_info_record: RankDump | None = None
+
+
+class ServerInfo(msgspec.Struct, gc=False):
+    """The parts of GET /server_info the collector needs; everything else is skipped."""
+
+    internal_states: list[_InternalState] = []
+    startup_time: float | None = None
+    version: str | None = None
+    model_path: str | None = None
+    served_model_name: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_algorithm: str | None = None
+
+    @property
+    def dumps(self) -> list[RankDump | None]:
+        """One entry per DP rank (None where the rank has no dump enabled)."""
+        return [s.dspark_info_record for s in self.internal_states]
+
+
+_DECODER = msgspec.json.Decoder(ServerInfo)
+
+
+def decode_server_info(body: bytes | memoryview) -> ServerInfo:
+    """Parse a /server_info body; a truncated or malformed body raises DumpError."""
+    try:
+        return _DECODER.decode(body)
+    except msgspec.DecodeError as exc:
+        raise DumpError(f"/server_info body is not a valid server_info JSON: {exc}") from None
+
+
+# Types the Arrow JSON reader parses into; absent fields come back null.
+_REQ_TYPE = pa.struct(
+    [
+        *[(f, pa.int64()) for f in SGLANG_REQ_INT_FIELDS],
+        ("draft_tokens", pa.list_(pa.int32())),
+        ("rid", pa.string()),
+        ("confidence", pa.list_(pa.float32())),
+        ("survival", pa.list_(pa.float32())),
+    ]
+)
+_RECORD_SCHEMA = pa.schema(
+    [
+        ("forward_ct", pa.int64()),
+        ("mode", pa.string()),
+        *[(f, pa.int64()) for f in SGLANG_STEP_INT_FIELDS],
+        *[(f, pa.float64()) for f in SGLANG_STEP_FLOAT_FIELDS],
+        ("reqs", pa.list_(_REQ_TYPE)),
+    ]
+)
+_PARSE = pa_json.ParseOptions(explicit_schema=_RECORD_SCHEMA, unexpected_field_behavior="ignore")
+_PARSE_NL = pa_json.ParseOptions(
+    explicit_schema=_RECORD_SCHEMA, unexpected_field_behavior="ignore", newlines_in_values=True
+)
+_READ = pa_json.ReadOptions(block_size=1 << 24)
+
+
+@dataclass
+class Tables:
+    """Step rows and request-step rows of one chunk, in the store's schemas."""
+
+    steps: pa.Table
+    req_steps: pa.Table
+
+
+def records_to_tables(
+    records: Sequence[msgspec.Raw | bytes],
+    *,
+    run_id: str,
+    dp_rank: int,
+    gamma: int,
+    mode: str | None,
+    fct_offset: int = 0,
+    workloads: Mapping[str, str] | None = None,
+    chunk: int = 8192,
+) -> Iterator[Tables]:
+    """Raw DecodeStepRecord JSON slices -> ``steps`` / ``req_steps`` tables, chunk by chunk.
+
+    ``fct_offset`` is added to every forward_ct (a restarted server counts from 0 again);
+    ``mode`` fills records that leave it out; ``workloads`` labels request rows by rid. A
+    record that is not a JSON object of the right types raises DumpError naming its index.
+    """
+    for start in range(0, len(records), chunk):
+        part = records[start : start + chunk]
+        text = b"\n".join(part)
+        try:  # compact JSON has no raw newline inside a record; pretty-printed JSON may
+            raw = pa_json.read_json(pa.BufferReader(text), read_options=_READ,
+                                    parse_options=_PARSE)
+            if raw.num_rows != len(part):
+                raise pa.ArrowInvalid("a record spans lines")
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            try:
+                raw = pa_json.read_json(pa.BufferReader(text), read_options=_READ,
+                                        parse_options=_PARSE_NL)
+            except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+                raise DumpError(_locate(part, start, exc)) from None
+        if raw.num_rows != len(part):
+            raise DumpError(f"records[{start}:{start + len(part)}]: expected one object each")
+        yield _tables(raw, run_id, dp_rank, gamma, mode, fct_offset, workloads)
+
+
+def _locate(part: Sequence[msgspec.Raw | bytes], start: int, exc: Exception) -> str:
+    """Name the first bad record of a chunk the Arrow reader refused (the slow path)."""
+    for i, r in enumerate(part):
+        try:
+            msgspec.json.decode(bytes(r), type=DecodeStepRecord)
+        except msgspec.DecodeError as err:
+            return f"records[{start + i}]: {err}"
+    return f"records[{start}:{start + len(part)}]: {exc}"
+
+
+def _tables(
+    raw: pa.Table,
+    run_id: str,
+    dp_rank: int,
+    gamma: int,
+    mode: str | None,
+    fct_offset: int,
+    workloads: Mapping[str, str] | None,
+) -> Tables:
+    n = raw.num_rows
+    fct = pc.add(raw.column("forward_ct"), fct_offset) if fct_offset else raw.column("forward_ct")
+    if raw.column("forward_ct").null_count:
+        bad = int(np.flatnonzero(pc.is_null(raw.column("forward_ct")).to_numpy(False))[0])
+        raise DumpError(f"records[{bad}]: forward_ct is required")
+    rec_mode = pc.if_else(pc.equal(raw.column("mode"), ""), None, raw.column("mode"))
+    if mode is not None:
+        rec_mode = pc.fill_null(rec_mode, mode)
+    cols: dict[str, pa.ChunkedArray | pa.Array] = {
+        "run_id": pa.array([run_id] * n, pa.string()) if n else pa.array([], pa.string()),
+        "dp_rank": pa.array(np.full(n, dp_rank, dtype=np.int32)),
+        "forward_ct": fct,
+        "source": pa.array(["sglang"] * n, pa.string()),
+        "mode": rec_mode,
+    }
+    for f in SGLANG_STEP_INT_FIELDS:
+        cols[f] = pc.fill_null(raw.column(f), -1)
+    for f in SGLANG_STEP_FLOAT_FIELDS:
+        cols[f] = raw.column(f)
+    steps = pa.table({f.name: cols.get(f.name, pa.nulls(n, f.type)) for f in STEPS}, STEPS)
+
+    reqs = raw.column("reqs").combine_chunks()
+    lengths = pc.fill_null(pc.list_value_length(reqs), 0).to_numpy(zero_copy_only=False)
+    flat = pc.list_flatten(reqs)
+    m = len(flat)
+    parent = np.repeat(np.arange(n), lengths)
+    rfct = pc.take(fct, pa.array(parent)) if m else pa.array([], pa.int64())
+    rid = flat.field("rid") if m else pa.array([], pa.string())
+    if m and rid.null_count:  # SGLang leaves rid out when it has none: key by pool slot
+        pool = pc.cast(flat.field("req_pool_index"), pa.string())
+        rid = pc.fill_null(rid, pc.binary_join_element_wise("pool", pool, ""))
+    rcols: dict[str, pa.Array | pa.ChunkedArray] = {
+        "run_id": pa.array([run_id] * m, pa.string()),
+        "dp_rank": pa.array(np.full(m, dp_rank, dtype=np.int32)),
+        "forward_ct": rfct,
+        "rid": rid,
+        "gamma": pa.array(np.full(m, gamma, dtype=np.int32)),
+    }
+    for f in (*SGLANG_REQ_INT_FIELDS, "draft_tokens", "confidence", "survival"):
+        rcols[f] = flat.field(f) if m else pa.array([], REQ_STEPS.field(f).type)
+    if workloads and m:
+        keys = pa.array(list(workloads), pa.string())
+        values = pa.array(list(workloads.values()), pa.string())
+        rcols["workload"] = pc.take(values, pc.index_in(rid, value_set=keys))
+    req_steps = pa.table(
+        {f.name: rcols.get(f.name, pa.nulls(m, f.type)) for f in REQ_STEPS}, REQ_STEPS
+    )
+    return Tables(steps, req_steps)

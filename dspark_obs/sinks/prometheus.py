@@ -1,0 +1,111 @@
+"""Prometheus exporter: a RecordSink whose totals a custom collector exposes at scrape time.
+
+The engine thread only enqueues each batch (``write`` is O(1)); a worker thread folds it into
+:class:`~dspark_obs.sinks.stats.Aggregator` totals with array code, and a scrape renders the
+current totals as counter and histogram families (names in :mod:`dspark_obs.sinks.catalog`).
+So nothing on the decode loop waits for aggregation, a scrape or the network.
+
+Acceptance per position (a trimmed position is never a rejection)::
+
+    sum by (position) (rate(dspark_position_accepted_total[5m]))
+      / sum by (position) (rate(dspark_position_observed_total[5m]))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import pyarrow as pa
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from dspark_obs.schema import RecordError
+from dspark_obs.sinks._worker import FoldWorker
+from dspark_obs.sinks.catalog import DEFAULT_MAX_GAMMA, METRICS
+from dspark_obs.sinks.stats import Aggregator, Totals
+
+__all__ = ["PrometheusSink", "TotalsCollector", "render_totals"]
+
+
+def _le(edge: float) -> str:
+    return str(int(edge)) if float(edge).is_integer() else repr(float(edge))
+
+
+def render_totals(totals: Totals) -> Iterator[Metric]:
+    """Every catalog metric as a prometheus_client family (empty families included)."""
+    for m in METRICS:
+        if m.kind == "counter":
+            fam = CounterMetricFamily(m.family, m.help, labels=m.labels, unit="")
+            for key, value in sorted(totals.counters[m.name].items()):
+                fam.add_metric(key, value)
+        else:
+            fam = HistogramMetricFamily(m.name, m.help, labels=m.labels)
+            edges = [_le(e) for e in totals.buckets[m.name]] + ["+Inf"]
+            for key, (counts, total) in sorted(totals.histograms[m.name].items()):
+                cumulative = counts.cumsum().tolist()
+                fam.add_metric(key, list(zip(edges, cumulative, strict=True)), total)
+        yield fam
+
+
+class TotalsCollector(Collector):
+    """Renders an Aggregator's totals at each scrape (after pending batches are folded in)."""
+
+    def __init__(self, aggregator: Aggregator, before_scrape=None) -> None:
+        self.aggregator = aggregator
+        self._before_scrape = before_scrape
+
+    def collect(self) -> Iterable[Metric]:
+        if self._before_scrape is not None:
+            self._before_scrape()
+        return list(render_totals(self.aggregator.snapshot()))
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # families are dynamic: skip the registry's duplicate-name probe
+
+
+class PrometheusSink:
+    """RecordSink exposing the catalog metrics in ``registry`` (a fresh one by default).
+
+    ``background=False`` folds batches in on the caller's thread (replays, tests). Serve
+    ``sink.registry`` with :func:`dspark_obs.sinks.serve.start_http`. A shared
+    ``aggregator`` lets an :class:`~dspark_obs.sinks.otel.OtelSink` read the same totals.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        max_gamma: int = DEFAULT_MAX_GAMMA,
+        background: bool = True,
+        aggregator: Aggregator | None = None,
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.aggregator = aggregator if aggregator is not None else Aggregator(max_gamma)
+        self._worker = FoldWorker(self.aggregator.update, background, "dspark-obs-prometheus")
+        self.registry.register(TotalsCollector(self.aggregator, self._worker.flush))
+
+    @property
+    def fold_cpu_seconds(self) -> float:
+        """CPU time the worker spent folding batches into the totals."""
+        return self._worker.cpu_seconds
+
+    @property
+    def errors(self) -> list[str]:
+        """Aggregation failures (a sink never breaks the run)."""
+        return self._worker.errors
+
+    def write(self, table: str, batch: pa.Table) -> None:
+        self._worker.write(table, batch)
+
+    def rejected(self, errors: list[RecordError]) -> None:
+        """Count rows a FanOut refused (they never reach ``write``)."""
+        self.aggregator.reject(errors)
+
+    def flush(self) -> None:
+        """Wait until every written batch is part of the totals, estimator sums included."""
+        self._worker.flush()
+        self.aggregator.finalize()
+
+    def close(self) -> None:
+        self._worker.close()
+        self.aggregator.finalize()
