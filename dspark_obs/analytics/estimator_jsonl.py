@@ -21,6 +21,8 @@ from typing import Any, BinaryIO
 import numpy as np
 import pandas as pd
 
+from dspark_obs._jsonfile import too_deep
+
 __all__ = [
     "MAX_GAMMA",
     "EstimatorFileError",
@@ -165,7 +167,7 @@ def parse_estimator_lines(
         if len(text) > MAX_LINE_BYTES:
             errors.append(JsonlError(lineno, f"line longer than {MAX_LINE_BYTES} bytes", short))
             continue
-        if _too_deep(text):
+        if too_deep(text, MAX_DEPTH):
             errors.append(JsonlError(lineno, f"JSON nested deeper than {MAX_DEPTH}", short))
             continue
         try:
@@ -348,29 +350,6 @@ def _lines(fh: BinaryIO) -> Iterator[str | JsonlError]:
             yield raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             yield JsonlError(lineno, f"not UTF-8 (byte {exc.start}: {exc.reason})")
-
-
-def _too_deep(text: str) -> bool:
-    if text.count("[") + text.count("{") <= MAX_DEPTH:
-        return False
-    depth, in_string, escaped = 0, False, False
-    for ch in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
-            if depth > MAX_DEPTH:
-                return True
-        elif ch in "]}":
-            depth -= 1
-    return False
 
 
 class _Errors(list):

@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from dspark_obs._jsonfile import read_json_file
 from dspark_obs.analytics._frames import FrameLike, request_keys, text_column
 from dspark_obs.analytics.calibration import N_BINS, ece, wide_labels
-from dspark_obs.engine._jsonfile import read_json_file
 
 GRID_SIZE = 41
 # Confidences are stored rounded to 4 decimals; 0.0 / 1.0 would give infinite logits.

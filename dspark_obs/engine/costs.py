@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from dspark_obs.engine._jsonfile import read_json_file
+from dspark_obs._jsonfile import read_json_file
 
 __all__ = [
     "AdditiveCostTable",

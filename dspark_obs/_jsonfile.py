@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any
 
-__all__ = ["MAX_DEPTH", "MAX_JSON_BYTES", "read_json_file"]
+__all__ = ["MAX_DEPTH", "MAX_JSON_BYTES", "read_json_file", "too_deep"]
 
 MAX_JSON_BYTES = 16 * 2**20
 """Largest JSON file read (16 MiB): cost tables and STS files are a few KiB."""
@@ -25,7 +25,9 @@ def _refuse_constant(name: str) -> float:
     raise ValueError(f"non-finite number {name} is not allowed")
 
 
-def _too_deep(text: str, limit: int) -> bool:
+def too_deep(text: str, limit: int) -> bool:
+    """Whether arrays / objects nest deeper than ``limit``, judged on the raw text (strings
+    skipped), so that no parser recursion is ever reached."""
     if text.count("[") + text.count("{") <= limit:
         return False
     depth, in_string, escaped = 0, False, False
@@ -66,7 +68,7 @@ def read_json_file(path: str | os.PathLike[str], error: type[Exception]) -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise error(f"{source}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
-    if _too_deep(text, MAX_DEPTH):
+    if too_deep(text, MAX_DEPTH):
         raise error(f"{source}: JSON nested deeper than {MAX_DEPTH} levels")
     try:
         return json.loads(text, parse_constant=_refuse_constant)
