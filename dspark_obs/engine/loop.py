@@ -295,8 +295,8 @@ class Engine:
                 while waiting and waiting[0].arrival_step <= fct and len(running) < cfg.max_batch:
                     live = self._admit(waiting.pop(0))
                     result.committed_tokens += 1  # the first token comes from the prefill
-                    if on_tokens is not None:
-                        on_tokens(live.req.rid, [live.anchor])
+                    if self._on_tokens is not None:
+                        self._on_tokens(live.req.rid, [live.anchor])
                     if live.anchor in self.stop_ids and not live.req.ignore_eos:
                         finish(live, "stop")
                     elif live.req.max_new_tokens == 1:
