@@ -126,3 +126,23 @@ def test_empty_batches_and_an_empty_store_are_fine(tmp_path: Path) -> None:
     (tmp_path / "s").mkdir()
     assert StoreFollower(tmp_path / "s", prom).poll() == 0
     assert value(prom, "dspark_req_steps_total") == 0
+
+
+@pytest.mark.parametrize("damage", [b"", b"not parquet at all", b"PAR1" + b"\0" * 64])
+def test_a_damaged_segment_is_skipped_and_named_never_stalls_the_rest(
+    store_dir: Path, tmp_path: Path, damage: bytes
+) -> None:
+    root = tmp_path / "store"
+    shutil.copytree(store_dir, root, symlinks=True)
+    part = root / "req_steps" / "run_id=s"
+    # sorts first: every later segment, table and run must still be read
+    (part / "seg-00000000000000000000-1-deadbeef.parquet").write_bytes(damage)
+    prom = sink()
+    follower = StoreFollower(root, prom)
+    assert follower.poll() > 0
+    assert value(prom, "dspark_req_steps_total") == stored(root, "SELECT count(*) FROM req_steps")
+    assert value(prom, "dspark_requests_total") > 0  # a table polled after req_steps
+    problems = follower.health()["problems"]
+    assert len(problems) == 1 and "seg-00000000000000000000-1-deadbeef.parquet" in problems[0]
+    assert follower.poll() == 0
+    assert len(follower.health()["problems"]) == 1  # named once, not on every poll

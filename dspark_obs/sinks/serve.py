@@ -142,6 +142,9 @@ def _partitions(root: Path, table: str) -> list[tuple[str, Path]]:
     ]
 
 
+_DAMAGED = -1
+
+
 class StoreFollower:
     """Folds every new row of a store into an aggregator, polling every ``interval_s``."""
 
@@ -150,6 +153,9 @@ class StoreFollower:
         self.sink = sink
         self.interval_s = interval_s
         self.rows_seen: dict[tuple[str, str], int] = {}
+        # Segments are immutable: their row count (or DAMAGED) is read once, and a damaged
+        # one is named once and skipped (the store's writer quarantines it), never retried.
+        self._segment_rows: dict[Path, int] = {}
         self.polls = 0
         self.last_poll: float | None = None
         self.problems: list[str] = []
@@ -174,11 +180,17 @@ class StoreFollower:
             for seg in layout.segment_files(part):
                 if not _inside(self.root, seg):
                     continue
-                rows = pq.ParquetFile(seg).metadata.num_rows
+                rows = self._rows(table, seg)
+                if rows == _DAMAGED:
+                    continue
                 if skip >= rows:
                     skip -= rows
                     continue
-                data = pq.read_table(seg)
+                try:
+                    data = pq.read_table(seg)
+                except pa.ArrowException as exc:  # footer intact, pages damaged
+                    self._damaged(seg, f"unreadable data ({str(exc).splitlines()[0][:120]})")
+                    continue
                 parts.append(data.slice(skip))
                 skip = 0
         except (FileNotFoundError, OSError):
@@ -190,6 +202,20 @@ class StoreFollower:
             self.sink.write(table, batch)
         self.rows_seen[(table, run_id)] = seen + batch.num_rows
         return batch.num_rows
+
+    def _rows(self, table: str, seg: Path) -> int:
+        rows = self._segment_rows.get(seg)
+        if rows is None:
+            why = layout.inspect_segment(seg, schema.TABLES[table])
+            if why is not None:
+                self._damaged(seg, why)
+                return _DAMAGED
+            rows = self._segment_rows[seg] = pq.ParquetFile(seg).metadata.num_rows
+        return rows
+
+    def _damaged(self, seg: Path, why: str) -> None:
+        self._segment_rows[seg] = _DAMAGED
+        self.problems.append(f"{seg}: {why}; skipped (dspark-obs store-check --repair)")
 
     def run(self, stop: threading.Event) -> None:
         """Poll until ``stop`` is set."""
