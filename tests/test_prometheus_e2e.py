@@ -9,6 +9,7 @@ forms give the same ratios up to Prometheus' extrapolation.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -55,7 +56,7 @@ def wait_for(check, timeout: float, what: str):
             last = check()
             if last:
                 return last
-        except OSError as exc:
+        except (OSError, http.client.HTTPException) as exc:
             last = exc
         time.sleep(0.3)
     raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
@@ -246,8 +247,8 @@ def test_promql_over_a_real_smollm2_run_equals_the_store(stack) -> None:
             live_steps = max(live_steps, sum(
                 float(line.rpartition(" ")[2]) for line in text.splitlines()
                 if line.startswith("dspark_req_steps_total{")))  # fmt: skip
-        except OSError:
-            pass
+        except (OSError, http.client.HTTPException):
+            pass  # not up yet, or the run exited in the middle of this scrape
         time.sleep(0.2)
     assert run.returncode == 0, err.read_text()[-2000:]
     assert live_steps > 0  # `run --metrics-port` exposed the run while it ran
