@@ -46,5 +46,5 @@ lint:
 
 bench: install
 	$(PY) bench/bench_ingest.py
-	$(PY) bench/bench_engine.py
+	$(PY) bench/bench_throughput.py --device cpu
 	$(PY) bench/bench_estimator.py

@@ -283,7 +283,7 @@ def _to_table(
 
 
 def _fill_defaults(table: str, row: Mapping[str, Any]) -> dict[str, Any]:
-    names = _schema(table).names
+    names = _field_names(table)
     row = {k: v for k, v in row.items() if k in names}  # SGLang adds fields: drop unknown ones
     if table == "steps":
         for f in SGLANG_STEP_INT_FIELDS:
@@ -461,6 +461,17 @@ def _uncastable(arr: pa.Array, typ: pa.DataType, offset: int) -> list[int]:
     return _uncastable(arr.slice(0, mid), typ, offset) + _uncastable(
         arr.slice(mid), typ, offset + mid
     )
+
+
+_FIELD_NAMES: dict[str, frozenset[str]] = {}
+
+
+def _field_names(table: str) -> frozenset[str]:
+    """A table's column names as a set (row filtering runs once per row of every batch)."""
+    names = _FIELD_NAMES.get(table)
+    if names is None:
+        names = _FIELD_NAMES[table] = frozenset(_schema(table).names)
+    return names
 
 
 def _schema(table: str) -> pa.Schema:

@@ -103,7 +103,7 @@ def _companion_full(cap) -> dict[tuple[str, int], int]:
 def test_estimator_is_exact_under_top_k_and_top_p_as_under_pure_temperature() -> None:
     """top_k=1 / top_p=0.9 rows: point within the tolerance of pure-temperature rows, truth
     inside [lo, hi] just as often (log p of the processed target distribution is recorded)."""
-    from dspark_obs.engine.loop import TARGET_LOGPROB_FLOOR
+    from dspark_obs.engine.censored import TARGET_LOGPROB_FLOOR
 
     results = {}
     for label, sampling in (("pure", {}), ("top_k=1", {"top_k": 1}), ("top_p=0.9", {"top_p": 0.9})):

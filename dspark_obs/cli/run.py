@@ -9,6 +9,14 @@ import typer
 
 from dspark_obs.cli.store import StoreOpt
 
+CompileOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--compile/--no-compile",
+        help="Fuse each layer's dense pieces with torch.compile (default: on for cuda).",
+    ),
+]
+
 WORKLOAD_CHOICES = ("math", "chat", "poetry", "mixed")
 
 
@@ -69,6 +77,14 @@ def run_command(
         str | None,
         typer.Option(help="Export metrics and one span per request over OTLP/HTTP to this URL."),
     ] = None,
+    backend: Annotated[
+        str,
+        typer.Option(
+            help="auto (batched on a GPU, reference on the CPU) | batched (slot pool, one "
+            "attention call per layer, CUDA graphs on a GPU) | reference (per-request caches)."
+        ),
+    ] = "auto",
+    compile: CompileOpt = None,
 ) -> None:
     """Run DSpark on SmolLM2-135M with the shipped drafter and store every step's records."""
     from rich.console import Console
@@ -100,6 +116,8 @@ def run_command(
             max_batch=max_batch,
             cost_table=load_cost_table(cost_table, device),
             estimator_rows=estimator_rows,
+            backend=backend,
+            compile=device.startswith("cuda") if compile is None else compile,
         )
         if workload_file is not None:
             traffic = load_traffic(workload_file)
@@ -179,10 +197,16 @@ def run_command(
 
 
 def profile_command(
-    out: Annotated[Path, typer.Option(help="Where to write the additive cost table JSON.")] = Path(
-        "runtime/cost_tables/smollm2_cpu.json"
-    ),
-    batch_sizes: Annotated[str, typer.Option(help="Comma list of batch sizes.")] = "1,2,4,8,16",
+    batch_sizes: Annotated[
+        str | None,
+        typer.Option(help="Comma list of batch sizes (default 1,2,4,8,16; 1,...,64 on cuda)."),
+    ] = None,
+    fractions: Annotated[
+        str, typer.Option(help="Comma list of forced budget fractions of bs * gamma, in [0, 1].")
+    ] = "0,0.25,0.5,0.75,1",
+    new_tokens: Annotated[
+        int, typer.Option(help="New tokens per request in each (bs, fraction) cell.")
+    ] = 24,
     gamma: Annotated[int, typer.Option(help="Draft block size.")] = 5,
     drafter: Annotated[
         Path | None,
@@ -192,35 +216,131 @@ def profile_command(
         ),
     ] = None,
     device: Annotated[str, typer.Option(help="cpu | cuda.")] = "cpu",
+    out_dir: Annotated[Path, typer.Option(help="Where the tables and the fit report go.")] = Path(
+        "runtime/cost_tables"
+    ),
+    name: Annotated[
+        str | None,
+        typer.Option(help="File stem (default smollm2_cpu, or smollm2_h200 on cuda)."),
+    ] = None,
+    holdout: Annotated[
+        float, typer.Option(help="Share of (bs, fraction) cells held out to judge the fits.")
+    ] = 0.25,
+    seed: Annotated[int, typer.Option(help="Seeds the held-out split of cells.")] = 0,
+    compile: CompileOpt = None,
+    queue_file: Annotated[
+        Path | None,
+        typer.Option(help="Prompts from this workload file (JSONL) instead of the chat pool."),
+    ] = None,
 ) -> None:
-    """Measure compact step time at pinned budgets and fit SGLang's additive cost table."""
-    from rich.console import Console
+    """Measure compact step time over batch sizes x pinned budgets; fit SGLang's two tables.
 
+    Writes NAME.json (additive, what the scheduler loads), NAME_1d.json (steps-per-sec),
+    NAME_fit.json (samples, cells, held-out and in-sample fit metrics) and NAME_fit.png.
+    """
+    import shlex
+    from datetime import UTC, datetime
+
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from dspark_obs.engine.costs import CostTableError
     from dspark_obs.engine.drafter import Drafter, DrafterConfig
-    from dspark_obs.engine.profile import fit_table, profile_steps
+    from dspark_obs.engine.loop import EngineError
+    from dspark_obs.engine.profile import (
+        evaluate_fits,
+        metrics_rows,
+        parse_batch_sizes,
+        parse_fractions,
+        profile_steps,
+        save_profile,
+        save_samples,
+    )
     from dspark_obs.engine.session import DEFAULT_DRAFTER
     from dspark_obs.engine.weights import encode_chat, load_smollm2
     from dspark_obs.workloads import load_prompts
 
     console = Console(stderr=True)
-    target, tok = load_smollm2(device=device)
-    path = drafter or DEFAULT_DRAFTER
-    if (path / "config.json").is_file():
-        model = Drafter.load(path, target)
-    else:
-        console.print(f"no drafter at {path}: timing with a random drafter of the default shape")
-        model = Drafter(DrafterConfig.for_target(target), target)
-    model = model.to(device).eval()
-    prompts = [encode_chat(tok, p.messages) for p in load_prompts("chat", "train", 16, seed=1)]
-    sizes = [int(x) for x in batch_sizes.split(",")]
-    samples = profile_steps(
-        target, model, prompts, gamma=gamma, batch_sizes=sizes, progress=console.print
-    )
-    table = fit_table(samples)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    table.save(out)
-    console.print(f"{len(samples)} steps; bias {table.bias_seconds * 1000:.1f} ms")
-    typer.echo(str(out))
+    cuda = device.startswith("cuda")
+    try:
+        sizes = parse_batch_sizes(batch_sizes or ("1,2,4,8,16,32,64" if cuda else "1,2,4,8,16"))
+        fracs = parse_fractions(fractions)
+        if new_tokens < 2:
+            raise ValueError("--new-tokens must be >= 2 (each cell's first step is dropped)")
+        if not 0.0 <= holdout < 1.0:
+            raise ValueError(f"--holdout must be in [0, 1), got {holdout}")
+        stem = name or ("smollm2_h200" if cuda else f"smollm2_{device}")
+        if cuda and not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: this torch ({torch.__version__}) sees no GPU")
+        target, tok = load_smollm2(device=device, dtype=torch.bfloat16 if cuda else torch.float32)
+        path = drafter or DEFAULT_DRAFTER
+        if (path / "config.json").is_file():
+            model, drafter_name = Drafter.load(path, target), str(path)
+        else:
+            console.print(
+                f"no drafter at {path}: timing with a random drafter of the default shape"
+            )
+            model, drafter_name = Drafter(DrafterConfig.for_target(target), target), "random"
+        model = model.to(device=device, dtype=target.dtype).eval()
+        if queue_file is not None:
+            from dspark_obs.workloads.traffic import load_traffic
+
+            pool = [t.prompt for t in load_traffic(queue_file)][:16]
+        else:
+            pool = list(load_prompts("chat", "train", 16, seed=1))
+        prompts = [encode_chat(tok, p.messages) for p in pool]
+        samples = profile_steps(
+            target,
+            model,
+            prompts,
+            gamma=gamma,
+            batch_sizes=sizes,
+            fractions=fracs,
+            compile=cuda if compile is None else compile,
+            new_tokens=new_tokens,
+            progress=lambda line: console.print(line, markup=False, highlight=False),
+        )
+        try:
+            report = evaluate_fits(samples, holdout=holdout, seed=seed)
+        except CostTableError as exc:  # keep the measurements: a GPU profile is not free
+            dump = save_samples(samples, out_dir / f"{stem}_samples.json")
+            raise CostTableError(f"{exc} (the {len(samples)} steps are in {dump})") from exc
+        command = [
+            "dspark-obs", "profile", "--device", device,
+            "--batch-sizes", ",".join(map(str, sizes)), "--fractions", ",".join(map(str, fracs)),
+            "--new-tokens", str(new_tokens), "--gamma", str(gamma), "--drafter", str(path),
+            "--out-dir", str(out_dir), "--name", stem, "--holdout", str(holdout),
+            "--seed", str(seed),
+        ]  # fmt: skip
+        meta = {
+            "name": stem,
+            "device": device,
+            "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
+            "torch": torch.__version__,
+            "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
+            "command": shlex.join(command),
+            "model": "SmolLM2-135M-Instruct",
+            "drafter": drafter_name,
+            "gamma": gamma,
+            "new_tokens": new_tokens,
+            "batch_sizes": sizes,
+            "fractions": fracs,
+        }
+        paths = save_profile(report, out_dir, stem, meta)
+    except (EngineError, CostTableError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    grid = Table("table", "cells", "n", "RMS ms", "R^2", "median rel err", title="fit quality")
+    for row in metrics_rows(report):
+        grid.add_row(*row)
+    console.print(grid)
+    console.print(f"{len(samples)} steps in {len(report.cells)} cells")
+    if paths["plot"] is None:
+        console.print("[yellow]matplotlib is not installed: no fit plot written[/yellow]")
+    for key in ("additive", "steps_per_sec", "report", "plot"):
+        if paths.get(key) is not None:
+            typer.echo(str(paths[key]))
 
 
 def train_drafter_command(

@@ -53,6 +53,7 @@ __all__ = [
     "accept",
     "draw_uniforms",
     "greedy_accept",
+    "greedy_accept_argmax",
     "is_truncated",
     "process_logits",
     "process_logprobs",
@@ -139,10 +140,20 @@ def greedy_accept(
     s = _np64(target_scores)
     if s.ndim != 2 or s.shape[0] < 1:
         raise ValueError(f"target scores must be [w >= 1, vocab], got shape {s.shape}")
-    rows, vocab = s.shape
+    return greedy_accept_argmax(np.argmax(s, axis=-1), draft_tokens, s.shape[1], window=window)
+
+
+def greedy_accept_argmax(
+    pred: np.ndarray, draft_tokens: ArrayLike, vocab: int, *, window: int | None = None
+) -> AcceptResult:
+    """:func:`greedy_accept` from the target's argmax per verified row (``pred`` [w], first
+    maximum): what a device-side argmax hands over instead of ``w * vocab`` scores."""
+    pred = np.asarray(pred, dtype=np.int64).reshape(-1)
+    rows = pred.shape[0]
+    if rows < 1:
+        raise ValueError("greedy acceptance needs at least one verified row")
     d = _tokens(draft_tokens, rows - 1, vocab)
     win = _window(window, rows)
-    pred = np.argmax(s, axis=-1)  # first maximum, like torch.argmax
     correct_full = _leading_true(d == pred[: rows - 1])
     c = min(correct_full, win - 1)
     return _result(d, correct_full, c, int(pred[c]), win)

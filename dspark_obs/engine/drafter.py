@@ -574,19 +574,44 @@ class Drafter(nn.Module):
             x = layer(x, pos, ctx_k[li], ctx_v[li], mask)
         h = self._final_norm(x[:, :gamma])
         base = self._logits(h).float()  # [B, gamma, V]
+        return self.chain(h, base, anc, temps.to(dev), generator)
+
+    def chain(
+        self,
+        h: Tensor,
+        base: Tensor,
+        anchors: Tensor,
+        temps: Tensor,
+        generator: torch.Generator | Sequence[torch.Generator | None] | None = None,
+        *,
+        sts: Tensor | None = None,
+        all_greedy: bool | None = None,
+    ) -> DraftBlock:
+        """Left-to-right Markov recursion over a block's states: the drafts, their exact q_k
+        rows and the confidences. h [B, g, d] final-normed states, base [B, g, V] float logits,
+        anchors [B], temps [B] (<= 0: greedy), on h's device.
+
+        ``sts`` [B, g] (the regime's STS temperatures per row) and ``all_greedy`` let a caller
+        that cannot sync with the host (a CUDA graph capture) pass what would be looked up.
+        """
+        gamma = h.shape[1]
+        dev = h.device
+        greedy = temps <= 0
+        if sts is None:
+            sts = torch.where(
+                greedy[:, None], self.sts(gamma, greedy=True).to(dev), self.sts(gamma).to(dev)
+            )
+        if all_greedy is None:
+            all_greedy = bool(greedy.all())
+        tsafe = torch.where(greedy, torch.ones_like(temps), temps)
         toks, lps, probs, zs = [], [], [], []
-        prev = anc
-        greedy = (temps <= 0).to(dev)
-        sts = torch.where(
-            greedy[:, None], self.sts(gamma, greedy=True).to(dev), self.sts(gamma).to(dev)
-        )
-        tsafe = torch.where(temps > 0, temps, torch.ones_like(temps)).to(dev)
+        prev = anchors
         for k in range(gamma):
             lg, u = self._markov(base[:, k], prev)
             zs.append(self._conf(h[:, k], u))
             q = torch.softmax(lg / tsafe[:, None], -1)
             tok = lg.argmax(-1)
-            if not bool(greedy.all()):
+            if not all_greedy:
                 tok = torch.where(greedy, tok, _sample_rows(q, generator, greedy))
             p_tok = q.gather(1, tok[:, None])[:, 0]
             toks.append(tok)

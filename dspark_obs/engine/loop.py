@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,24 +46,32 @@ import torch
 
 from dspark_obs.engine.acceptance import (
     SAMPLING_EPS,
+    AcceptResult,
     accept,
+    greedy_accept_argmax,
     is_truncated,
     process_logits,
     process_logprobs,
 )
+from dspark_obs.engine.censored import (
+    ESTIMATOR_MIN_TEMPERATURE,
+    Censored,
+    LogpAt,
+    greedy_logprobs_at,
+    resolve,
+    resolve_block,
+)
 from dspark_obs.engine.costs import CostTable
-from dspark_obs.engine.drafter import Drafter, DrafterCache
+from dspark_obs.engine.drafter import DraftBlock, Drafter, DrafterCache
 from dspark_obs.engine.model import KVCache, Target
 from dspark_obs.engine.scheduler import Scheduler
 from dspark_obs.schema import MODES
 
-ESTIMATOR_MIN_TEMPERATURE = 1e-5
-"""Log-probs for the estimator use ``max(T, 1e-5)`` (SGLang's floor), so greedy rows give
-~0 for the argmax and a huge negative value for anything else."""
-
-TARGET_LOGPROB_FLOOR = -1e4
-"""Stored in ``pg`` for a trimmed draft that top-k / top-p removed from the target's
-distribution (log p = -inf): finite for the store, and ``exp(floor - q_lp) == 0`` exactly."""
+BACKENDS = ("auto", "batched", "reference")
+"""``batched``: the slot-pool runtime (one attention call per layer for the whole batch, CUDA
+graphs on a GPU; :mod:`dspark_obs.engine.batched`). ``reference``: per-request caches and
+attention (the readable model of the algorithm). ``auto``: ``batched`` on a GPU,
+``reference`` on the CPU, where it measured faster at small batches (README)."""
 
 ESTIMATOR_ROWS = ("all", "sglang")
 """``all``: estimator fields on every sampling setting (exact: log p of the processed
@@ -86,6 +95,13 @@ class EngineConfig:
     flush_every: int = 32  # steps buffered before records are handed to the sinks ...
     flush_seconds: float = 1.0  # ... or this long since the last hand-over, whichever first
     estimator_rows: str = "all"  # see ESTIMATOR_ROWS
+    backend: str = "auto"  # see BACKENDS
+    cuda_graphs: bool = True  # batched backend on CUDA: replay captured graphs
+    overlap: bool = True  # build step k's records while the device drafts step k + 1
+    compile: bool = False  # batched backend: fuse each layer's dense pieces (torch.compile)
+    capture_graphs: bool = False  # capture every decode-step CUDA graph before the first step
+    token_tiers: tuple[int, ...] | None = None  # packed-token counts graphs are captured for
+    batch_tiers: tuple[int, ...] | None = None  # running-request counts likewise
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -100,6 +116,12 @@ class EngineConfig:
             raise EngineError(f"flush_every must be >= 1, got {self.flush_every}")
         if not (math.isfinite(self.flush_seconds) and self.flush_seconds > 0):
             raise EngineError(f"flush_seconds must be finite and > 0, got {self.flush_seconds}")
+        if self.backend not in BACKENDS:
+            raise EngineError(f"unknown backend {self.backend!r}; expected one of {list(BACKENDS)}")
+        for name in ("token_tiers", "batch_tiers"):
+            tiers = getattr(self, name)
+            if tiers is not None and (not tiers or min(tiers) < 1):
+                raise EngineError(f"{name} must be positive counts, got {tiers}")
         if self.estimator_rows not in ESTIMATOR_ROWS:
             raise EngineError(
                 f"unknown estimator_rows {self.estimator_rows!r}; expected one of "
@@ -125,30 +147,20 @@ class GenRequest:
 
 
 @dataclass
-class _Censored:
-    """A compact block whose trimmed drafts await resolution by later target rows."""
-
-    src_fct: int
-    start_pos: int  # absolute position of the first trimmed draft
-    first_k: int  # its 1-based draft position in the block (SGLang's k): verify_len
-    tokens: list[int]
-    next_k: int = 0  # offset of the next unresolved trimmed draft
-
-
-@dataclass
 class _Live:
     """Per running request state."""
 
     req: GenRequest
-    cache: KVCache
-    dcache: DrafterCache
+    cache: KVCache | None  # reference backend; the batched one keeps caches in its pool
+    dcache: DrafterCache | None
     gen: torch.Generator
     anchor: int
     output: list[int]
     new_hidden: torch.Tensor | None
     arrival_time: float
     first_token_time: float
-    censored: list[_Censored] = field(default_factory=list)
+    censored: list[Censored] = field(default_factory=list)
+    slot: int = -1  # batched backend: the pool slot (== index in the running batch)
 
     @property
     def greedy(self) -> bool:
@@ -170,6 +182,9 @@ class RunResult:
     target_tokens: int = 0
     seconds: float = 0.0
     outputs: dict[str, list[int]] = field(default_factory=dict)
+    times: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Per request ``(first token, finish)`` on ``time.perf_counter`` (no-spec runs; engine
+    runs carry wall-clock times in their ``requests`` rows)."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -207,8 +222,19 @@ class Engine:
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         self.scheduler = Scheduler(config.cost_table, config.gamma, config.lag_steps)
         self._on_tokens: OnTokens | None = None
+        self._runtime: Any = None  # BatchedRuntime, made on the first run (batched backend)
+        self._sts_rows: tuple[np.ndarray, np.ndarray] = (np.ones(0), np.ones(0))
+        self._finish: Callable[[_Live, str], None] = lambda live, reason: None
+        self._settle: Callable[[], None] = lambda: None
 
     # ------------------------------------------------------------------ public
+
+    @property
+    def batched(self) -> bool:
+        """Whether this engine runs on the batched runtime (see ``BACKENDS``)."""
+        if self.cfg.backend == "auto":
+            return self.target.device.type == "cuda"
+        return self.cfg.backend == "batched"
 
     def check(self, requests: Sequence[GenRequest]) -> None:
         """Reject bad requests before a run starts, so nothing is half-written."""
@@ -258,16 +284,33 @@ class Engine:
         """
         self.check(requests)
         self._on_tokens = on_tokens
-        cfg = self.cfg
         self.scheduler.relay.reset()
         waiting = sorted(requests, key=lambda r: (r.arrival_step, r.rid))
+        buf: dict[str, list[dict[str, Any]]] = {"steps": [], "req_steps": [], "requests": []}
+        self._prepare(requests, start=True)
+        try:
+            return self._loop(waiting, emit, run_id, progress, source, buf)
+        finally:
+            if self._runtime is not None:
+                self._runtime.busy = False
+
+    def _loop(
+        self,
+        waiting: list[GenRequest],
+        emit: Emit,
+        run_id: str,
+        progress: Callable[[int], None] | None,
+        source: RequestSource | None,
+        buf: dict[str, list[dict[str, Any]]],
+    ) -> RunResult:
+        cfg = self.cfg
         running: list[_Live] = []
         result = RunResult(run_id)
-        buf: dict[str, list[dict[str, Any]]] = {"steps": [], "req_steps": [], "requests": []}
         tokens_before = self.target.tokens_processed
         t_start = time.perf_counter()
         last_flush = t_start
         fct = 0
+        pending: list[Callable[[], None]] = []  # record work of the last step (overlapped)
 
         def finish(live: _Live, reason: str) -> None:
             buf["requests"].append(self._request_row(live, run_id, reason))
@@ -276,45 +319,70 @@ class Engine:
             if progress:
                 progress(1)
 
+        def settle() -> None:
+            while pending:
+                pending.pop(0)()
+
+        self._finish = finish
+        self._settle = settle
         with torch.inference_mode():
             while waiting or running or source is not None:
                 if source is not None:
                     idle = not waiting and not running
                     if idle:
+                        settle()
                         self._flush(emit, buf)  # a blocking poll must not hold records back
                     new = source(idle)
                     if new is None:
                         source = None
                     elif new:
                         self.check(new)
+                        self._prepare(new)
                         for r in new:
                             r.arrival_step = fct
                         waiting = sorted([*waiting, *new], key=lambda r: (r.arrival_step, r.rid))
                     if not waiting and not running:
                         continue
-                while waiting and waiting[0].arrival_step <= fct and len(running) < cfg.max_batch:
-                    live = self._admit(waiting.pop(0))
+                arrived = []
+                while (
+                    waiting
+                    and waiting[0].arrival_step <= fct
+                    and len(running) + len(arrived) < cfg.max_batch
+                ):
+                    arrived.append(waiting.pop(0))
+                kept: list[_Live] = []
+                for live in sorted(self._admit(arrived), key=lambda x: -x.slot):
                     result.committed_tokens += 1  # the first token comes from the prefill
                     if self._on_tokens is not None:
                         self._on_tokens(live.req.rid, [live.anchor])
                     if live.anchor in self.stop_ids and not live.req.ignore_eos:
+                        self._release(live, [*running, *kept])  # highest slot first: safe
                         finish(live, "stop")
                     elif live.req.max_new_tokens == 1:
+                        self._release(live, [*running, *kept])
                         finish(live, "length")
                     else:
-                        running.append(live)
+                        kept.append(live)
+                if kept:
+                    running.extend(kept)
+                    running.sort(key=lambda r: r.slot)
                 if not running:  # idle until the next arrival
                     fct = max(fct + 1, waiting[0].arrival_step) if waiting else fct + 1
                     continue
-                for live, reason in self._step(running, fct, run_id, buf, result):
+                done = self._step(running, fct, run_id, buf, result, pending)
+                for live in sorted(done, key=lambda d: -d.slot):  # highest slot first
                     running.remove(live)
-                    finish(live, reason)
+                    self._release(live, running)
+                if not cfg.overlap or self._runtime is None:
+                    settle()
                 result.steps += 1
                 fct += 1
                 now = time.perf_counter()
                 if result.steps % cfg.flush_every == 0 or now - last_flush >= cfg.flush_seconds:
+                    settle()
                     self._flush(emit, buf)
                     last_flush = now
+        settle()
         self._flush(emit, buf)
         result.seconds = time.perf_counter() - t_start
         result.target_tokens = self.target.tokens_processed - tokens_before
@@ -359,35 +427,115 @@ class Engine:
                 emit(table, buf[table])
                 buf[table] = []
 
-    def _admit(self, req: GenRequest) -> _Live:
+    def _prepare(self, requests: Sequence[GenRequest], *, start: bool = False) -> None:
+        """Batched backend: a slot pool with room for these requests. The runtime is shared
+        across runs and engines on this target (:func:`~dspark_obs.engine.batched.
+        shared_runtime`), so CUDA graphs are captured once; it grows when a request needs
+        more room."""
+        if not self.batched:
+            return
+        from dspark_obs.engine.batched import shared_runtime
+
+        need = max((len(r.prompt_ids) + r.max_new_tokens for r in requests), default=0)
+        need = max(need + self.drafter.cfg.gamma_max + self.cfg.gamma + 2, 256)
+        if start:  # one runtime per run: this engine's last one when it is free again
+            from dspark_obs.engine.batched import BATCH_TIERS, TOKEN_TIERS
+
+            cfg = self.cfg
+            self._runtime = shared_runtime(
+                self.target, self.drafter, max_batch=cfg.max_batch, max_len=need,
+                gamma=cfg.gamma, cuda_graphs=cfg.cuda_graphs, compiled=cfg.compile,
+                token_tiers=cfg.token_tiers or TOKEN_TIERS,
+                batch_tiers=cfg.batch_tiers or BATCH_TIERS, prefer=self._runtime,
+            )
+            if cfg.capture_graphs:
+                self._runtime.capture(need, lambda line: print(line, file=sys.stderr))
+            self._sts_rows = (
+                self.drafter.sts(self.cfg.gamma).float().numpy(),
+                self.drafter.sts(self.cfg.gamma, greedy=True).float().numpy(),
+            )
+        self._runtime.reserve(self.cfg.max_batch, need)
+
+    def _admit(self, reqs: Sequence[GenRequest]) -> list[_Live]:
+        """Prefill arrivals (one packed forward for all of them on the batched backend) and
+        sample each one's first token."""
+        if not reqs:
+            return []
+        rt = self._runtime
         arrival = time.time()
-        gen = torch.Generator(device="cpu").manual_seed(int(req.seed))
-        max_len = len(req.prompt_ids) + req.max_new_tokens + self.cfg.gamma + 2
-        cache = self.target.new_cache(max_len)
-        out = self.target.prefill(req.prompt_ids, cache, self.drafter.hidden_layers)
-        logits = out.logits[0][-1]
-        first = self._sample(logits, req, gen)
-        return _Live(
-            req=req,
-            cache=cache,
-            dcache=self.drafter.new_cache(),
-            gen=gen,
-            anchor=first,
-            output=[first],
-            new_hidden=out.hidden[0],
-            arrival_time=arrival,
-            first_token_time=time.time(),
-        )
+        if rt is not None:
+            slots = [rt.acquire() for _ in reqs]
+            logits = rt.prefill(slots, [r.prompt_ids for r in reqs])
+            argmax = logits.argmax(-1).tolist()
+            rows: list[tuple[torch.Tensor, torch.Tensor | None, KVCache | None, int]] = [
+                (logits[j], None, None, s) for j, s in enumerate(slots)
+            ]
+        else:
+            rows, argmax = [], []
+            for r in reqs:
+                max_len = len(r.prompt_ids) + r.max_new_tokens + self.cfg.gamma + 2
+                cache = self.target.new_cache(max_len)
+                out = self.target.prefill(r.prompt_ids, cache, self.drafter.hidden_layers)
+                rows.append((out.logits[0][-1], out.hidden[0], cache, -1))
+                argmax.append(int(torch.argmax(out.logits[0][-1])))
+        lives = []
+        for req, (logits_row, hidden, cache, slot), top in zip(reqs, rows, argmax, strict=True):
+            gen = torch.Generator(device="cpu").manual_seed(int(req.seed))
+            first = self._sample(logits_row, req, gen, top)
+            if rt is not None:
+                rt.set_anchor(slot, first)
+            lives.append(
+                _Live(
+                    req=req,
+                    cache=cache,
+                    dcache=self.drafter.new_cache() if rt is None else None,
+                    gen=gen,
+                    anchor=first,
+                    output=[first],
+                    new_hidden=hidden,
+                    arrival_time=arrival,
+                    first_token_time=time.time(),
+                    slot=slot,
+                )
+            )
+        return lives
+
+    def _release(self, live: _Live, running: list[_Live]) -> None:
+        """Give a finished request's slot back; the request moved into it takes its number
+        (``running`` stays ordered by slot: row i of a batched step is slot i)."""
+        if self._runtime is None:
+            return
+        moved = self._runtime.release(live.slot)
+        if moved is not None:
+            for other in running:
+                if other.slot == moved:
+                    other.slot = live.slot
+            running.sort(key=lambda r: r.slot)
 
     @staticmethod
-    def _sample(logits: torch.Tensor, req: GenRequest, gen: torch.Generator) -> int:
-        """First token from the prompt's last logits; draws one uniform either way."""
+    def _sample(logits: torch.Tensor, req: GenRequest, gen: torch.Generator, top: int) -> int:
+        """First token from the prompt's last logits (``top``: their argmax); draws one
+        uniform either way, so every mode's generator streams stay aligned."""
         u = float(torch.rand(1, generator=gen, dtype=torch.float64))
         if req.temperature < SAMPLING_EPS:
-            return int(torch.argmax(logits))
+            return top
         p = process_logits(logits.double(), req.temperature, req.top_p, req.top_k)
         cdf = torch.cumsum(p, 0)
         return int(min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), p.numel() - 1))
+
+    def _draft(self, running: list[_Live]) -> DraftBlock:
+        """One block per running request (batched: launched on the device, not waited for)."""
+        gamma, rt = self.cfg.gamma, self._runtime
+        temps = [r.req.temperature for r in running]
+        gens = [r.gen for r in running]
+        if rt is not None:
+            sample_sts, greedy_sts = self._sts_rows
+            sts = np.stack([greedy_sts if t <= 0 else sample_sts for t in temps])
+            return rt.draft(temps, sts, gens)
+        hidden = [r.new_hidden for r in running]
+        return self.drafter.draft_batch(
+            [r.dcache for r in running], [r.anchor for r in running], gamma, temps, gens, hidden
+        )
 
     def _step(
         self,
@@ -396,21 +544,26 @@ class Engine:
         run_id: str,
         buf: dict[str, list[dict[str, Any]]],
         result: RunResult,
-    ) -> list[tuple[_Live, str]]:
+        pending: list[Callable[[], None]],
+    ) -> list[_Live]:
+        """One decode step: draft, plan, verify, accept, commit. Returns the requests that
+        finished; their records (and every request's row) are queued on ``pending``, which
+        the next step runs while the device drafts (``overlap``) or the caller runs now."""
         cfg, gamma = self.cfg, self.cfg.gamma
         t0 = time.perf_counter()
+        events = self._events()
+        if events:
+            events[0].record()
         bs = len(running)
-        block = self.drafter.draft_batch(
-            [r.dcache for r in running],
-            [r.anchor for r in running],
-            gamma,
-            [r.req.temperature for r in running],
-            [r.gen for r in running],
-            [r.new_hidden for r in running],
-        )
+        block = self._draft(running)
+        if events:
+            events[1].record()
+        if cfg.overlap:
+            self._settle()  # the previous step's records, while the device drafts
         conf = block.confidence.float().cpu().numpy()
         survival = np.cumprod(conf, axis=1)
         draft_tokens = block.tokens.cpu()
+        dt_np = draft_tokens.numpy()
         draft_lp = block.logprobs.float().cpu()
         t_draft = time.perf_counter()
 
@@ -421,163 +574,303 @@ class Engine:
             budget, verify_lens = self.scheduler.plan([r.req.rid for r in running], survival)
             decision = self.scheduler.last_decision
         send = verify_lens if cfg.mode == "compact" else np.full(bs, gamma + 1, dtype=np.int64)
-        lengths_before = [r.cache.length for r in running]
-        all_logits, hidden = self._verify(running, draft_tokens, verify_lens, send)
+        lengths_before = [self._cache_length(r) for r in running]
+        if events:
+            events[2].record()
+        all_logits, preds, hidden = self._verify(running, draft_tokens, verify_lens, send)
+        if events:
+            events[3].record()
         t_verify = time.perf_counter()
 
-        now = datetime.now(UTC)
-        done: list[tuple[_Live, str]] = []
-        rows: list[dict[str, Any]] = []
+        done: list[_Live] = []
+        outcomes: list[tuple[AcceptResult, list[int], list[int], str | None]] = []
+        vocab = self.target.cfg.vocab_size
         for i, live in enumerate(running):
             req = live.req
-            w = int(verify_lens[i])
-            n = int(send[i])
-            logits = all_logits[i]  # [n, vocab]
-            drafts = draft_tokens[i, : n - 1]
-            if live.greedy:
-                res = accept(
-                    logits, drafts, greedy=True, window=w if cfg.mode == "cap-accept" else None
-                )
+            w, n = int(verify_lens[i]), int(send[i])
+            drafts = dt_np[i, : n - 1]
+            window = w if cfg.mode == "cap-accept" else None
+            if live.greedy and preds is not None:
+                res = greedy_accept_argmax(preds[i], drafts, vocab, window=window)
+            elif live.greedy:
+                res = accept(all_logits[i], drafts, greedy=True, window=window)
             else:
-                probs = process_logits(logits.double(), req.temperature, req.top_p, req.top_k)
+                probs = process_logits(
+                    all_logits[i].double(), req.temperature, req.top_p, req.top_k
+                )
                 res = accept(
                     probs,
                     drafts,
                     block.probs[i, : n - 1].double(),
                     live.gen,
-                    window=w if cfg.mode == "cap-accept" else None,
+                    window=window,
                     block_size=gamma,
                 )
             full = list(res.tokens)  # uncut by EOS / length: what the estimator resolves against
-            censors = cfg.mode == "compact" and res.correct_drafts == w - 1 and w - 1 < gamma
-            if cfg.estimator_rows == "sglang" and (live.greedy or live.truncated):
-                censors, live.censored = False, []  # SGLang's recorder skips such rows
-            logp = None
-            if live.censored or censors:
-                logp = self._estimator_logprobs(logits, live)
-            pg = self._resolve(live, logp, full, lengths_before[i])
-            committed = full
             remaining = req.max_new_tokens - len(live.output)
-            cut, reason = len(committed), None
-            for j, tok in enumerate(committed):
+            cut, reason = len(full), None
+            for j, tok in enumerate(full):
                 if tok in self.stop_ids and not req.ignore_eos:
                     cut, reason = j + 1, "stop"
                     break
             if cut > remaining or (reason is None and cut == remaining):
                 cut, reason = remaining, "length"
-            committed = committed[:cut]
+            committed = full[:cut]
             live.output.extend(committed)
             result.committed_tokens += len(committed)
             if self._on_tokens is not None:
                 self._on_tokens(req.rid, committed)
-            is_last = reason is not None
-            row = {
-                "run_id": run_id,
-                "dp_rank": cfg.dp_rank,
-                "forward_ct": fct,
-                "rid": req.rid,
-                "gamma": gamma,
-                "req_pool_index": i,
-                "prefix_len": lengths_before[i] + 1,  # tokens known, anchor included
-                "verify_len": w,
-                "acc_len": len(committed),
-                "correct_drafts": res.correct_drafts,
-                "cap_trim": res.cap_trim if cfg.mode == "cap-accept" else 0,
-                "bonus_token": res.bonus_token,
-                "draft_tokens": draft_tokens[i].tolist(),
-                "confidence": conf[i].tolist(),
-                "survival": survival[i].tolist(),
-                "workload": req.workload,
-                "temperature": req.temperature,
-                "top_p": req.top_p,
-                "top_k": req.top_k,
-                "is_last": is_last,
-                "ts": now,
-                "pg": pg or None,
-                "trimmed_tokens": None,
-                "q_lp": None,
-            }
-            if censors:
-                trimmed = draft_tokens[i, w - 1 :].tolist()
-                row["trimmed_tokens"] = trimmed
-                # Greedy drafts are the drafter's argmax: log q at T -> 0 is 0.
-                row["q_lp"] = [0.0] * len(trimmed) if live.greedy else draft_lp[i, w - 1 :].tolist()
-                blk = _Censored(fct, lengths_before[i] + w, w, trimmed)
-                # The first trimmed draft sits where this step's bonus landed: resolve it now.
-                extra = self._resolve_block(blk, logp, full, lengths_before[i])
-                if extra:
-                    row["pg"] = (row["pg"] or []) + extra
-                if blk.next_k < len(blk.tokens):
-                    live.censored.append(blk)
-            rows.append(row)
-            if is_last:
-                done.append((live, reason or "length"))
+            outcomes.append((res, full, committed, reason))
+            if reason is not None:
+                done.append(live)
                 continue
             # Keep anchor + accepted drafts in the caches; the bonus becomes the next anchor.
             keep = res.correct_drafts + 1
-            live.cache.truncate(lengths_before[i] + keep)
-            live.new_hidden = hidden[i][:keep]
             live.anchor = committed[-1]
-
+            if self._runtime is not None:
+                self._runtime.commit(live.slot, lengths_before[i] + keep, live.anchor)
+            else:
+                assert live.cache is not None
+                live.cache.truncate(lengths_before[i] + keep)
+                live.new_hidden = hidden[i][:keep]
         t_end = time.perf_counter()
+
         num_verify = int(send.sum())
         pred_ms = theta = None
         if decision is not None:
             if decision.predicted_step_seconds is not None:
                 pred_ms = decision.predicted_step_seconds * 1000.0
             theta = decision.predicted_theta
-        buf["steps"].append(
-            {
-                "run_id": run_id,
-                "dp_rank": cfg.dp_rank,
-                "forward_ct": fct,
-                "source": "engine",
-                "mode": cfg.mode,
-                "bs": bs,
-                "budget": int(budget),
-                "lag_steps": cfg.lag_steps,
-                "num_running_reqs": bs,
-                "num_verify_tokens": num_verify,
-                "verify_tokens_local": num_verify,
-                "predicted_step_ms": pred_ms,
-                "predicted_theta": theta,
-                "step_cpu_ms": (t_end - t0) * 1000.0,
-                "draft_gpu_ms": (t_draft - t0) * 1000.0 if self._timed_device else None,
-                "target_verify_gpu_ms": (t_verify - t_draft) * 1000.0
-                if self._timed_device
-                else None,
-                "ts": now,
-            }
-        )
-        buf["req_steps"].extend(rows)
+        elif cfg.cost_table is not None and not cfg.cost_table.uninitialized:
+            pred_ms = cfg.cost_table.step_seconds(bs, int(budget)) * 1000.0
+        step = {
+            "run_id": run_id,
+            "dp_rank": cfg.dp_rank,
+            "forward_ct": fct,
+            "source": "engine",
+            "mode": cfg.mode,
+            "bs": bs,
+            "budget": int(budget),
+            "lag_steps": cfg.lag_steps,
+            "num_running_reqs": bs,
+            "num_verify_tokens": num_verify,
+            "verify_tokens_local": num_verify,
+            "predicted_step_ms": pred_ms,
+            "predicted_theta": theta,
+            "step_cpu_ms": (t_end - t0) * 1000.0,
+            "draft_gpu_ms": None,
+            "target_verify_gpu_ms": None,
+            "ts": datetime.now(UTC),
+        }
+        if not events and self._timed_device:  # reference path on a GPU: synchronous calls
+            step["draft_gpu_ms"] = (t_draft - t0) * 1000.0
+            step["target_verify_gpu_ms"] = (t_verify - t_draft) * 1000.0
+
+        running_now = list(running)  # the caller removes finished requests from ``running``
+
+        def records() -> None:
+            if events:  # device time of this step's draft and verify passes
+                step["draft_gpu_ms"] = events[0].elapsed_time(events[1])
+                step["target_verify_gpu_ms"] = events[2].elapsed_time(events[3])
+            buf["steps"].append(step)
+            lookups = self._gather_logprobs(running_now, outcomes, verify_lens, dt_np, all_logits)
+            rows = [
+                self._req_step_row(
+                    live, i, fct, run_id, step["ts"], outcomes[i], lookups[i],
+                    int(verify_lens[i]), lengths_before[i], dt_np[i], conf[i],
+                    survival[i], draft_lp[i],
+                )
+                for i, live in enumerate(running_now)
+            ]
+            buf["req_steps"].extend(rows)
+            for live, (_, _, _, reason) in zip(running_now, outcomes, strict=True):
+                if reason is not None:
+                    self._finish(live, reason)
+
+        pending.append(records)
         return done
+
+    def _req_step_row(
+        self,
+        live: _Live,
+        i: int,
+        fct: int,
+        run_id: str,
+        ts: datetime,
+        outcome: tuple[AcceptResult, list[int], list[int], str | None],
+        logp: Any,
+        w: int,
+        prefix: int,
+        drafts: np.ndarray,
+        conf: np.ndarray,
+        survival: np.ndarray,
+        draft_lp: torch.Tensor,
+    ) -> dict[str, Any]:
+        """The ``req_steps`` row of one request in one step, with the estimator's fields:
+        earlier censored blocks resolved against this step's target rows, and this step's
+        trimmed drafts (``trimmed_tokens`` / ``q_lp``) when its window was fully accepted."""
+        cfg, gamma, req = self.cfg, self.cfg.gamma, live.req
+        res, full, committed, reason = outcome
+        censors = self._censors(live, res, w)
+        pg, live.censored = resolve(live.censored, logp, full, prefix)
+        row = {
+            "run_id": run_id,
+            "dp_rank": cfg.dp_rank,
+            "forward_ct": fct,
+            "rid": req.rid,
+            "gamma": gamma,
+            "req_pool_index": live.slot if live.slot >= 0 else i,
+            "prefix_len": prefix + 1,  # tokens known, anchor included
+            "verify_len": w,
+            "acc_len": len(committed),
+            "correct_drafts": res.correct_drafts,
+            "cap_trim": res.cap_trim if cfg.mode == "cap-accept" else 0,
+            "bonus_token": res.bonus_token,
+            "draft_tokens": drafts.tolist(),
+            "confidence": conf.tolist(),
+            "survival": survival.tolist(),
+            "workload": req.workload,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_k": req.top_k,
+            "is_last": reason is not None,
+            "ts": ts,
+            "pg": pg or None,
+            "trimmed_tokens": None,
+            "q_lp": None,
+        }
+        if censors:
+            trimmed = drafts[w - 1 :].tolist()
+            row["trimmed_tokens"] = trimmed
+            # Greedy drafts are the drafter's argmax: log q at T -> 0 is 0.
+            row["q_lp"] = [0.0] * len(trimmed) if live.greedy else draft_lp[w - 1 :].tolist()
+            blk = Censored(fct, prefix + w, w, trimmed)
+            # The first trimmed draft sits where this step's bonus landed: resolve it now.
+            extra = resolve_block(blk, logp, full, prefix)
+            if extra:
+                row["pg"] = (row["pg"] or []) + extra
+            if blk.next_k < len(blk.tokens):
+                live.censored.append(blk)
+        return row
+
+    def _censors(self, live: _Live, res: AcceptResult, w: int) -> bool:
+        """Whether this step's trimmed drafts await resolution: a compact window fully
+        accepted with drafts cut off (SGLang's recorder skips greedy / truncated rows)."""
+        cfg = self.cfg
+        censors = cfg.mode == "compact" and res.correct_drafts == w - 1 and w - 1 < cfg.gamma
+        if cfg.estimator_rows == "sglang" and (live.greedy or live.truncated):
+            censors, live.censored = False, []
+        return censors
+
+    def _gather_logprobs(
+        self,
+        running: list[_Live],
+        outcomes: list[tuple[AcceptResult, list[int], list[int], str | None]],
+        verify_lens: np.ndarray,
+        drafts: np.ndarray,
+        logits: list[torch.Tensor],
+    ) -> list[Any]:
+        """Per request, log p of the target rows where the estimator needs it (None where it
+        does not): the whole processed row on the reference backend; on the batched one
+        only the columns of the drafts still awaiting resolution, gathered on the device for
+        every request and moved to the host in one transfer (no sync per entry)."""
+        out: list[Any] = [None] * len(running)
+        wanted: list[tuple[int, list[int]]] = []
+        for i, live in enumerate(running):
+            w = int(verify_lens[i])
+            censors = self._censors(live, outcomes[i][0], w)
+            if not (live.censored or censors):
+                continue
+            if self._runtime is None:
+                out[i] = self._estimator_logprobs(logits[i], live)
+                continue
+            cols = {int(t) for blk in live.censored for t in blk.tokens[blk.next_k :]}
+            if censors:
+                cols.update(int(t) for t in drafts[i, w - 1 :])
+            wanted.append((i, sorted(cols)))
+        if wanted:
+            self._gather_at(running, wanted, logits, out)
+        return out
+
+    def _gather_at(
+        self,
+        running: list[_Live],
+        wanted: list[tuple[int, list[int]]],
+        logits: list[torch.Tensor],
+        out: list[Any],
+    ) -> None:
+        """log p at (row, column) pairs for the requests in ``wanted``: the greedy ones in a
+        handful of kernels over all their rows, the sampled ones through their processed
+        distribution; one device-to-host copy for all."""
+        greedy = [(i, cols) for i, cols in wanted if running[i].greedy]
+        sampled = [(i, cols) for i, cols in wanted if not running[i].greedy]
+        parts = []
+        if greedy:
+            parts.append(greedy_logprobs_at([logits[i] for i, _ in greedy], [c for _, c in greedy]))
+        for i, cols in sampled:
+            idx = torch.tensor(cols, device=logits[i].device)
+            parts.append(self._estimator_logprobs(logits[i], running[i])[:, idx].reshape(-1))
+        flat = torch.cat(parts).cpu().numpy()
+        at = 0
+        for i, cols in greedy + sampled:
+            n = logits[i].shape[0] * len(cols)
+            out[i] = LogpAt(flat[at : at + n].reshape(-1, len(cols)), cols)
+            at += n
+
+    def _cache_length(self, live: _Live) -> int:
+        if self._runtime is not None:
+            return self._runtime.length(live.slot)
+        assert live.cache is not None
+        return live.cache.length
+
+    def _events(self) -> list[Any]:
+        """CUDA events around the draft and verify launches (batched backend on a GPU)."""
+        if self._runtime is None or not self._timed_device:
+            return []
+        return [torch.cuda.Event(enable_timing=True) for _ in range(4)]
 
     def _verify(
         self, running: list[_Live], drafts: torch.Tensor, verify_lens: np.ndarray, send: np.ndarray
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """One packed target forward over each request's ``send`` tokens: (logits, hidden).
+    ) -> tuple[list[torch.Tensor], list[np.ndarray] | None, list[torch.Tensor]]:
+        """One packed target forward over each request's ``send`` tokens: (logits per
+        request, device argmax per request on the batched backend, drafter features on the
+        reference one).
 
         cap-accept runs it as two forwards: first exactly the windows compact would send
         (so everything committed, and the drafter features, are bitwise those of the compact
         run, whatever the floating-point effects of a wider batch), then the trimmed drafts
         on top of the same caches, which only serve to count ``cap_trim``.
         """
-        caches = [r.cache for r in running]
         head = verify_lens if self.cfg.mode == "cap-accept" else send
+        rest = [i for i in range(len(running)) if head[i] < send[i]]
+        rt = self._runtime
+        if rt is not None:
+            rows = [[r.anchor, *drafts[i, : head[i] - 1].tolist()] for i, r in enumerate(running)]
+            out = rt.forward([r.slot for r in running], rows)
+            logits, preds = out.split()
+            if rest:
+                for i in rest:
+                    logits[i] = logits[i].clone()  # the tail forward may reuse the buffers
+                tails = [drafts[i, head[i] - 1 : send[i] - 1].tolist() for i in rest]
+                tail_logits, tail_preds = rt.forward([running[i].slot for i in rest], tails).split()
+                for j, i in enumerate(rest):
+                    logits[i] = torch.cat([logits[i], tail_logits[j]])
+                    preds[i] = np.concatenate([preds[i], tail_preds[j]])
+            return logits, preds, []
+        caches = [r.cache for r in running]
         tokens = [
             torch.cat([torch.tensor([r.anchor]), drafts[i, : head[i] - 1]])
             for i, r in enumerate(running)
         ]
-        out = self.target.forward(tokens, caches, self.drafter.hidden_layers)
-        logits = list(out.logits)
-        rest = [i for i in range(len(running)) if head[i] < send[i]]
+        ref = self.target.forward(tokens, caches, self.drafter.hidden_layers)
+        logits = list(ref.logits)
         if rest:
             tail = self.target.forward(
                 [drafts[i, head[i] - 1 : send[i] - 1] for i in rest], [caches[i] for i in rest]
             )
             for j, i in enumerate(rest):
                 logits[i] = torch.cat([logits[i], tail.logits[j]])
-        return logits, out.hidden
+        return logits, None, list(ref.hidden)
 
     @staticmethod
     def _estimator_logprobs(logits: torch.Tensor, live: _Live) -> torch.Tensor:
@@ -590,51 +883,6 @@ class Engine:
     @property
     def _timed_device(self) -> bool:
         return self.target.device.type == "cuda"
-
-    def _resolve(
-        self, live: _Live, logp: torch.Tensor | None, tokens: list[int], prefix_len: int
-    ) -> list[dict[str, Any]]:
-        """Resolve earlier censored blocks (oldest first) against this step's target rows."""
-        entries: list[dict[str, Any]] = []
-        still: list[_Censored] = []
-        for blk in live.censored:
-            entries.extend(self._resolve_block(blk, logp, tokens, prefix_len))
-            if blk.next_k < len(blk.tokens):
-                still.append(blk)
-        live.censored = still
-        return entries
-
-    @staticmethod
-    def _resolve_block(
-        blk: _Censored, logp: torch.Tensor | None, tokens: list[int], prefix_len: int
-    ) -> list[dict[str, Any]]:
-        """Walk the block's trimmed drafts over this step's rows; stop after the first miss.
-
-        Row ``r`` of this step's target output predicts absolute position ``prefix_len+1+r``
-        (``prefix_len`` is the anchor's position), whose realized token is ``tokens[r]``
-        (accepted drafts then the bonus, before any EOS / length cut).
-        """
-        entries = []
-        while blk.next_k < len(blk.tokens) and logp is not None:
-            r = blk.start_pos + blk.next_k - (prefix_len + 1)
-            if r < 0 or r >= len(tokens):
-                break
-            draft = blk.tokens[blk.next_k]
-            realized = tokens[r]
-            entries.append(
-                {
-                    "src_fct": blk.src_fct,
-                    "k": blk.first_k + blk.next_k,
-                    "target_logprob": max(float(logp[r, draft]), TARGET_LOGPROB_FLOOR),
-                    "draft_token": draft,
-                    "realized_token": realized,
-                }
-            )
-            blk.next_k += 1
-            if realized != draft:
-                blk.next_k = len(blk.tokens)  # diverged: the rest can never be resolved
-                break
-        return entries
 
     def _request_row(self, live: _Live, run_id: str, reason: str) -> dict[str, Any]:
         req = live.req

@@ -21,6 +21,7 @@ from dspark_obs.fanout import FanOut, RecordSink
 REPO_RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
 DEFAULT_DRAFTER = REPO_RUNTIME / "drafter"
 DEFAULT_CPU_COST_TABLE = REPO_RUNTIME / "cost_tables" / "smollm2_cpu.json"
+DEFAULT_GPU_COST_TABLE = REPO_RUNTIME / "cost_tables" / "smollm2_h200.json"
 
 
 @dataclass
@@ -38,10 +39,13 @@ class Models:
 def load_models(
     drafter_path: str | Path | None = None,
     device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     sts: str | Path | Sequence[float] | None = None,
 ) -> Models:
-    """SmolLM2-135M-Instruct and the shipped (or given) DSpark drafter (STS: file or values)."""
+    """SmolLM2-135M-Instruct and the shipped (or given) DSpark drafter (STS: file or values),
+    in ``dtype`` (default float32 on the CPU, bfloat16 on a GPU)."""
+    if dtype is None:
+        dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     from dspark_obs.engine.drafter import Drafter
     from dspark_obs.engine.weights import load_smollm2, stop_token_ids
 
@@ -156,9 +160,11 @@ def run_with_companion(
 
 
 def load_cost_table(path: str | Path | None, device: str) -> CostTable | None:
-    """The given table, or the shipped CPU table when running on CPU, else None (verify all)."""
+    """The given table, else the shipped one for the device (the CPU table, or the H200 one on
+    CUDA), else None (verify every draft, SGLang's default)."""
     if path is not None:
         return CostTable.load(path)
-    if device == "cpu" and DEFAULT_CPU_COST_TABLE.is_file():
-        return CostTable.load(DEFAULT_CPU_COST_TABLE)
-    return None
+    shipped = DEFAULT_CPU_COST_TABLE if device == "cpu" else DEFAULT_GPU_COST_TABLE
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        return None
+    return CostTable.load(shipped) if shipped.is_file() else None

@@ -144,6 +144,7 @@ def build_service(opts: ServerOptions, env: Mapping[str, str] = os.environ) -> E
     config = EngineConfig(
         mode=mode, gamma=opts.gamma, lag_steps=lag, max_batch=opts.max_batch,
         cost_table=table, flush_every=1, estimator_rows="sglang",
+        compile=opts.device.startswith("cuda"),
     )
     engine = Engine(models.target, models.drafter, config, models.stop_ids)
     svc_cfg = ServiceConfig(

@@ -1,0 +1,727 @@
+"""The batched device runtime: one attention call per layer for a whole ragged batch, a
+preallocated slot pool for the KV caches, and CUDA graphs keyed by packed token count.
+
+Why it exists: the reference path (:class:`~dspark_obs.engine.model.Target` with one
+:class:`~dspark_obs.engine.model.KVCache` per request) runs attention once per request in
+every layer and rebuilds the drafter's context every step, so on a GPU the step time is
+per-request Python work, not tokens. Here:
+
+* :class:`SlotPool` holds every running request's target K/V and drafter context K/V in two
+  preallocated tensors ``[layers, 2, slots + 1, kv_heads, max_len, head_dim]``; a request owns
+  one slot, its length is an integer on the host, and rolling back rejected drafts is moving
+  that integer (O(1)). The last slot is scratch for padding rows. Slots stay dense
+  (``0..B-1``): a finishing request's slot takes the highest one's contents.
+* :func:`~dspark_obs.engine.packed.target_forward` packs every request's new tokens into one
+  ``[N, d]`` sequence for the dense layers and runs ONE scaled-dot-product attention per
+  layer over the batch, queries scattered into a ``[B, Q]`` grid (``Q`` = the widest
+  request's token count) against the slot pool with a causal-by-position mask. Dense work is
+  exactly ``N`` tokens (padded up to a tier under graphs): compact's trimmed windows really
+  are cheaper.
+* The verify pass also writes the drafter's context K/V for every verified row (projected
+  target features), so drafting needs no per-request cache work: rows past the accepted
+  length are never visible (the drafter masks by committed length) and get overwritten.
+* :class:`GraphBank` captures a CUDA graph per ``(Q, batch tier, token tier, span tier)`` for
+  verify and per ``(batch tier, span tier)`` for the drafter; a step pads to the nearest
+  captured tier, so a trimmed batch replays a smaller graph. On the CPU (or with graphs off)
+  the same functions run eagerly at exact sizes: CI tests this path.
+
+Everything numeric is the reference path's own modules (norms, projections, rotary tables,
+the drafter's Markov recursion); only the data layout and the launch pattern differ.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dspark_obs.engine.drafter import DraftBlock, Drafter
+from dspark_obs.engine.model import Target
+from dspark_obs.engine.packed import drafter_extend, drafter_states, target_forward
+
+if TYPE_CHECKING:
+    from dspark_obs.engine.loop import RunResult
+
+__all__ = [
+    "BATCH_TIERS",
+    "LENGTH_TIERS",
+    "TOKEN_TIERS",
+    "BatchedRuntime",
+    "GraphBank",
+    "Pack",
+    "SlotPool",
+    "run_no_spec",
+    "shared_runtime",
+    "tier_of",
+]
+
+BATCH_TIERS: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+"""Running-request counts a graph is captured for (a batch pads up to the next one)."""
+
+TOKEN_TIERS: tuple[int, ...] = (
+    *range(1, 17),
+    *range(20, 65, 4),
+    *range(72, 129, 8),
+    *range(144, 257, 16),
+    *range(288, 513, 32),
+    *range(576, 1025, 64),
+)
+"""Packed token counts a verify graph is captured for: fine steps where a step is cheap."""
+
+
+LENGTH_TIERS: tuple[int, ...] = (
+    64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192,
+)
+"""Cache spans attention reads (a step reads the smallest span covering its longest slot)."""
+
+
+def tier_of(n: int, tiers: Sequence[int]) -> int:
+    """Smallest tier >= n (n itself past the largest: that step then runs eagerly)."""
+    i = bisect.bisect_left(tiers, n)
+    return tiers[i] if i < len(tiers) else n
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+# --------------------------------------------------------------------------- the slot pool
+class SlotPool:
+    """Device K/V of every running request, target and drafter, one slot each.
+
+    ``lengths[s]`` is slot s's committed positions: the target cache's length and the
+    drafter context's ``num_positions`` at once (both hold the same positions).
+    """
+
+    def __init__(
+        self, target: Target, drafter: Drafter | None, slots: int, max_len: int
+    ) -> None:
+        cfg = target.cfg
+        if not 0 < max_len <= cfg.max_position:
+            raise ValueError(f"max_len must be in 1..{cfg.max_position}, got {max_len}")
+        self.slots = slots
+        self.max_len = max_len
+        self.trash = slots  # scratch slot for padding rows
+        dev, dt = target.device, target.dtype
+        self.kv = torch.zeros(
+            cfg.num_layers, 2, slots + 1, cfg.num_kv_heads, max_len, cfg.head_dim,
+            device=dev, dtype=dt,
+        )
+        self.dkv: Tensor | None = None
+        if drafter is not None:
+            d = drafter.cfg
+            self.dkv = torch.zeros(
+                d.num_layers, 2, slots + 1, d.num_kv_heads, max_len, d.head_dim,
+                device=dev, dtype=drafter.fc.weight.dtype,
+            )
+        self.lengths = np.zeros(slots + 1, dtype=np.int64)
+
+    def move(self, src: int, dst: int) -> None:
+        """Slot ``dst`` takes slot ``src``'s caches (to keep running slots dense)."""
+        n = int(self.lengths[src])
+        self.kv[:, :, dst, :, :n] = self.kv[:, :, src, :, :n]
+        if self.dkv is not None:
+            self.dkv[:, :, dst, :, :n] = self.dkv[:, :, src, :, :n]
+        self.lengths[dst] = n
+        self.lengths[src] = 0
+
+
+# --------------------------------------------------------------------------- packing
+@dataclass
+class Pack:
+    """Host-side index arrays of one packed forward, padded to ``(batch, tokens)``.
+
+    Row r of the packed sequence is token ``tokens[r]`` of slot ``slot[r]`` at position
+    ``pos[r]``; ``qidx[r]`` is its cell in the flattened ``[batch, Q]`` query grid. Padding
+    rows write into the scratch slot and the grid's spare last cell.
+    """
+
+    tokens: np.ndarray
+    slot: np.ndarray
+    pos: np.ndarray
+    qidx: np.ndarray
+    past: np.ndarray  # [batch]: each grid row's cache length before this forward
+    n: int  # real rows
+    batch: int
+    q: int
+    counts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    row_slot: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    @classmethod
+    def build(
+        cls,
+        slots: Sequence[int],
+        tokens: Sequence[Sequence[int]],
+        starts: Sequence[int],
+        *,
+        q: int,
+        batch: int,
+        rows: int,
+        trash: int,
+        gather: bool = False,
+    ) -> Pack:
+        """Slot ``slots[i]`` gets ``tokens[i]`` at positions ``starts[i] + arange``.
+
+        The query grid's row for request i is its slot (decode: the grid covers slots
+        ``0..batch-1`` and reads their caches in place) or, with ``gather``, i itself (the
+        grid covers only these requests; attention gathers their slots' caches): what a
+        prefill of a few requests wants, whatever their slot numbers."""
+        counts = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
+        n = int(counts.sum())
+        slot_arr = np.asarray(slots, dtype=np.int64)
+        grid_row = np.arange(len(slots), dtype=np.int64) if gather else slot_arr
+        if n > rows or (len(slots) and grid_row.max() >= batch) or (counts > q).any():
+            raise ValueError(f"pack of {n} tokens does not fit ({batch}, {rows}, q={q})")
+        within = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)
+        owner = np.repeat(slot_arr, counts)
+        tok = np.zeros(rows, dtype=np.int64)
+        tok[:n] = np.fromiter((x for t in tokens for x in t), dtype=np.int64, count=n)
+        slot = np.full(rows, trash, dtype=np.int64)
+        slot[:n] = owner
+        pos = np.zeros(rows, dtype=np.int64)
+        pos[:n] = np.repeat(np.asarray(starts, dtype=np.int64), counts) + within
+        qidx = np.full(rows, batch * q, dtype=np.int64)
+        qidx[:n] = np.repeat(grid_row, counts) * q + within
+        past = np.zeros(batch, dtype=np.int64)
+        past[grid_row] = starts
+        row_slot = np.full(batch, trash, dtype=np.int64)
+        row_slot[grid_row] = slot_arr
+        return cls(tok, slot, pos, qidx, past, n, batch, q, counts, row_slot)
+
+
+# --------------------------------------------------------------------------- CUDA graphs
+class GraphBank:
+    """CUDA graphs of one step function, captured lazily per key, replayed with fresh inputs.
+
+    ``fn(**inputs)`` must be graph-safe (no host syncs, fixed shapes per key). Inputs are
+    copied into the key's static buffers before each replay; outputs are the static output
+    tensors (valid until that key is replayed again). All graphs share one memory pool.
+    """
+
+    def __init__(self, fn: Callable[..., tuple[Tensor, ...]], device: torch.device) -> None:
+        self.fn = fn
+        self.device = device
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, Tensor], tuple]] = {}
+        self.pool: object | None = None
+        self.capture_seconds = 0.0
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self.graphs
+
+    def capture(self, key: tuple, inputs: dict[str, Tensor]) -> None:
+        t0 = time.perf_counter()
+        static = {k: v.clone() for k, v in inputs.items()}
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up outside capture (allocator, library handles)
+                self.fn(**static)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.fn(**static)
+        self.graphs[key] = (graph, static, out)
+        self.capture_seconds += time.perf_counter() - t0
+
+    def run(self, key: tuple, inputs: dict[str, Tensor]) -> tuple[Tensor, ...]:
+        if key not in self.graphs:
+            self.capture(key, inputs)
+        graph, static, out = self.graphs[key]
+        for name, value in inputs.items():
+            static[name].copy_(value, non_blocking=True)
+        graph.replay()
+        return out
+
+
+# --------------------------------------------------------------------------- the runtime
+@dataclass
+class VerifyOut:
+    """One verify forward: float logits [N, V] of the real rows and their argmax."""
+
+    logits: Tensor
+    argmax: np.ndarray
+    pack: Pack
+
+    def split(self) -> tuple[list[Tensor], list[np.ndarray]]:
+        """Per request (in the order given to ``forward``): its logits rows and argmax."""
+        counts = self.pack.counts.tolist()
+        ends = np.cumsum(counts).tolist()
+        starts = [e - c for e, c in zip(ends, counts, strict=True)]
+        logits = [self.logits[a:e] for a, e in zip(starts, ends, strict=True)]
+        return logits, [self.argmax[a:e] for a, e in zip(starts, ends, strict=True)]
+
+
+class BatchedRuntime:
+    """Target + drafter over one :class:`SlotPool`, eager or under CUDA graphs.
+
+    The engine asks for slots, prefills into them, drafts for the first ``B`` slots, verifies
+    packed windows and commits lengths; it never touches a cache tensor itself. The pool
+    grows (and graphs are recaptured) when a request needs more room than it has.
+    """
+
+    def __init__(
+        self,
+        target: Target,
+        drafter: Drafter | None,
+        *,
+        max_batch: int,
+        max_len: int,
+        gamma: int,
+        cuda_graphs: bool = True,
+        compiled: bool = False,
+        batch_tiers: Sequence[int] = BATCH_TIERS,
+        token_tiers: Sequence[int] = TOKEN_TIERS,
+        length_tiers: Sequence[int] = LENGTH_TIERS,
+    ) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.gamma = gamma
+        self.device = target.device
+        self.graphs_on = bool(cuda_graphs) and self.device.type == "cuda"
+        self.compiled = compiled
+        self.batch_tiers = tuple(sorted(set(batch_tiers)))
+        self.token_tiers = tuple(sorted(set(token_tiers)))
+        self.length_tiers = tuple(sorted(set(length_tiers)))
+        self.hidden_layers = tuple(drafter.hidden_layers) if drafter is not None else ()
+        self.capture_seconds = 0.0
+        self.used = 0  # slots 0..used-1 hold running requests
+        self.busy = False  # an engine is running on it (shared_runtime hands out another)
+        self.key: tuple = ()  # shared_runtime's settings key
+        self._anchors = np.zeros(1, dtype=np.int64)
+        self.pool = self._new_pool(max_batch, max_len)
+
+    def _new_pool(self, max_batch: int, max_len: int) -> SlotPool:
+        slots = tier_of(max_batch, self.batch_tiers) if self.graphs_on else max_batch
+        limit = self.target.cfg.max_position
+        pool = SlotPool(self.target, self.drafter, slots, min(_round_up(max_len, 64), limit))
+        anchors = np.zeros(slots + 1, dtype=np.int64)
+        keep = min(len(self._anchors), len(anchors)) - 1
+        anchors[:keep] = self._anchors[:keep]
+        self._anchors = anchors
+        self._banks: dict[str, GraphBank] = {}
+        if self.graphs_on:
+            self._banks = {
+                "verify": GraphBank(self._verify_fn, self.device),
+                "draft": GraphBank(self._draft_fn, self.device),
+            }
+        return pool
+
+    def reserve(self, max_batch: int, max_len: int) -> None:
+        """Make room for ``max_batch`` slots of ``max_len`` positions (grows, never shrinks;
+        running slots keep their caches)."""
+        old = self.pool
+        if max_batch <= old.slots and max_len <= old.max_len:
+            return
+        if self.used and max_batch > old.slots:
+            raise RuntimeError("cannot add slots while requests are running")
+        captured = self.capture_seconds + sum(b.capture_seconds for b in self._banks.values())
+        new = self._new_pool(max(max_batch, old.slots), max(max_len, old.max_len))
+        n = old.max_len
+        new.kv[:, :, : self.used, :, :n] = old.kv[:, :, : self.used]
+        if new.dkv is not None and old.dkv is not None:
+            new.dkv[:, :, : self.used, :, :n] = old.dkv[:, :, : self.used]
+        new.lengths[: self.used] = old.lengths[: self.used]
+        self.pool = new
+        self.capture_seconds = captured
+
+    # -- slots --------------------------------------------------------------------------
+    def acquire(self) -> int:
+        if self.used >= self.pool.slots:
+            raise RuntimeError(f"all {self.pool.slots} slots are in use")
+        self.used += 1
+        return self.used - 1
+
+    def release(self, slot: int) -> int | None:
+        """Free ``slot``; the highest running slot moves into it: returns that slot (or None
+        when ``slot`` was the highest)."""
+        last = self.used - 1
+        self.used -= 1
+        if slot == last:
+            self.pool.lengths[slot] = 0
+            return None
+        self.pool.move(last, slot)
+        self._anchors[slot] = self._anchors[last]
+        return last
+
+    def length(self, slot: int) -> int:
+        return int(self.pool.lengths[slot])
+
+    def commit(self, slot: int, length: int, anchor: int) -> None:
+        """Keep the slot's first ``length`` positions (rolls back rejected drafts, O(1)) and
+        set the token it drafts from next."""
+        self.pool.lengths[slot] = length
+        self._anchors[slot] = anchor
+
+    def set_anchor(self, slot: int, token: int) -> None:
+        self._anchors[slot] = token
+
+    def reset(self) -> None:
+        """Forget every running request (a new run starts)."""
+        self.used = 0
+        self.pool.lengths[:] = 0
+
+    # -- step functions (graph-safe) ------------------------------------------------------
+    def _verify_fn(
+        self,
+        tokens: Tensor,
+        slot: Tensor,
+        pos: Tensor,
+        qidx: Tensor,
+        past: Tensor,
+        q: Tensor,
+        span: Tensor,
+        row_slot: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        normed, feats = target_forward(
+            self.target, self.pool.kv, tokens, slot, pos, qidx, past, q.shape[0], span.shape[0],
+            self.hidden_layers, self.compiled, row_slot,
+        )
+        if self.drafter is not None and self.pool.dkv is not None:
+            drafter_extend(self.drafter, self.pool.dkv, feats, slot, pos)
+        logits = self.target.lm_head(normed).float()
+        return logits, logits.argmax(-1)
+
+    def _draft_fn(
+        self, anchors: Tensor, committed: Tensor, sts: Tensor, span: Tensor
+    ) -> tuple[Tensor, ...]:
+        assert self.drafter is not None and self.pool.dkv is not None
+        h, base = drafter_states(
+            self.drafter, self.pool.dkv, anchors, committed, sts.shape[1], span.shape[0]
+        )
+        greedy = torch.zeros(anchors.shape[0], device=anchors.device)
+        blk = self.drafter.chain(h, base, anchors, greedy, sts=sts, all_greedy=True)
+        return blk.tokens, blk.logprobs, blk.conf_logits, blk.confidence, h, base
+
+    def _span(self, end: int) -> int:
+        if self.graphs_on:
+            return min(tier_of(end, self.length_tiers), self.pool.max_len)
+        return min(_round_up(end, 64), self.pool.max_len)
+
+    def _device(self, arr: np.ndarray) -> Tensor:
+        return torch.from_numpy(arr).to(self.device, non_blocking=True)
+
+    def _run(self, bank: str, key: tuple, fn: Callable[..., tuple], inputs: dict) -> tuple:
+        if self.graphs_on and bank in self._banks:
+            return self._banks[bank].run(key, inputs)
+        return fn(**inputs)
+
+    # -- public steps -------------------------------------------------------------------
+    def forward(
+        self,
+        slots: Sequence[int],
+        tokens: Sequence[Sequence[int]],
+        *,
+        q: int | None = None,
+        gather: bool = False,
+    ) -> VerifyOut:
+        """Run ``tokens[i]`` at the end of slot ``slots[i]`` (lengths advance by their count:
+        commit smaller lengths to roll back). Under graphs a step pads to its tiers."""
+        lengths = self.pool.lengths
+        starts = [int(lengths[s]) for s in slots]
+        qn = q or max(len(t) for t in tokens)
+        n = sum(len(t) for t in tokens)
+        end = max(st + len(t) for st, t in zip(starts, tokens, strict=True))
+        if end > self.pool.max_len:
+            raise RuntimeError(f"slot pool holds {self.pool.max_len} positions, step needs {end}")
+        batch = len(slots) if gather else max(slots) + 1
+        bt = tier_of(batch, self.batch_tiers)
+        nt = tier_of(n, self.token_tiers)
+        graphed = self.graphs_on and bt <= self.pool.slots and nt in self.token_tiers
+        if not graphed:  # eager (CPU, graphs off, or off the captured grid): exact sizes
+            bt, nt = batch, n
+        pack = Pack.build(
+            slots, tokens, starts, q=qn, batch=bt, rows=nt, trash=self.pool.trash, gather=gather
+        )
+        span = self._span(end)
+        inputs = {
+            "tokens": self._device(pack.tokens),
+            "slot": self._device(pack.slot),
+            "pos": self._device(pack.pos),
+            "qidx": self._device(pack.qidx),
+            "past": self._device(pack.past),
+            "q": torch.empty(qn, device=self.device),  # shape carriers (graph key parts)
+            "span": torch.empty(span, device=self.device),
+        }
+        if gather:
+            inputs["row_slot"] = self._device(pack.row_slot)
+        bank = "verify" if graphed else "eager"
+        logits, argmax = self._run(bank, (qn, bt, nt, span, gather), self._verify_fn, inputs)
+        for s, c in zip(slots, pack.counts, strict=True):
+            lengths[s] += int(c)
+        self.target.tokens_processed += pack.n
+        return VerifyOut(logits[: pack.n], argmax[: pack.n].cpu().numpy(), pack)
+
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> Tensor:
+        """Run prompts into empty slots together: float logits [k, V] of each prompt's last
+        position. Under graphs prompts go in fixed-width chunks (one captured width), and
+        attention covers only these requests, whatever their slot numbers."""
+        if any(self.pool.lengths[s] for s in slots):
+            raise ValueError(f"prefill into a slot that is not empty: {list(slots)}")
+        longest = max(len(p) for p in prompts)
+        chunk = PREFILL_CHUNK if self.graphs_on else longest
+        last: list[Tensor | None] = [None] * len(slots)
+        for at in range(0, longest, chunk):
+            live = [i for i, p in enumerate(prompts) if len(p) > at]
+            out = self.forward(
+                [slots[i] for i in live], [list(prompts[i][at : at + chunk]) for i in live],
+                q=min(chunk, longest), gather=True,
+            )
+            ends = np.cumsum(out.pack.counts) - 1
+            for j, i in enumerate(live):
+                if len(prompts[i]) <= at + chunk:
+                    last[i] = out.logits[int(ends[j])]
+        return torch.stack([x for x in last if x is not None])
+
+    def draft(
+        self,
+        temps: Sequence[float],
+        sts: np.ndarray,
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> DraftBlock:
+        """Draft one block for slots ``0..B-1`` (B = len(temps)); ``sts`` [B, gamma] holds
+        each row's STS temperatures. The block pass and a greedy chain run for every row;
+        sampled rows (temperature > 0) are then redrawn from the same states with their own
+        generators. ``probs`` is filled for sampled rows only (greedy rows never read it)."""
+        assert self.drafter is not None
+        batch = len(temps)
+        bt = tier_of(batch, self.batch_tiers) if self.graphs_on else batch
+        bt = bt if bt <= self.pool.slots else batch
+        t = np.zeros(bt, dtype=np.float32)
+        t[:batch] = temps
+        st = np.ones((bt, self.gamma), dtype=np.float32)
+        st[:batch] = sts
+        committed = self.pool.lengths[:bt].copy()
+        span = self._span(int(committed.max()) + self.drafter.cfg.gamma_max)
+        inputs = {
+            "anchors": self._device(self._anchors[:bt].copy()),
+            "committed": self._device(committed),
+            "sts": self._device(st),
+            "span": torch.empty(span, device=self.device),
+        }
+        out = self._run("draft", (bt, self.gamma, span), self._draft_fn, inputs)
+        tokens, lps, z, conf, h, base = (o[:batch] for o in out)
+        sampled = [i for i in range(batch) if t[i] > 0]
+        probs = base.new_zeros(0)
+        if sampled:
+            idx = torch.tensor(sampled, device=self.device)
+            gens = [generators[i] if generators else None for i in sampled]
+            sub = self.drafter.chain(
+                h[idx], base[idx], inputs["anchors"][idx], self._device(t[sampled]), gens,
+                sts=inputs["sts"][idx], all_greedy=False,
+            )
+            tokens, lps, z, conf = (x.clone() for x in (tokens, lps, z, conf))
+            tokens[idx], lps[idx], z[idx], conf[idx] = (
+                sub.tokens, sub.logprobs, sub.conf_logits, sub.confidence
+            )
+            probs = base.new_zeros(batch, self.gamma, base.shape[-1])
+            probs[idx] = sub.probs
+        return DraftBlock(tokens, lps, probs, z, conf)
+
+    def graph_keys(self, span_end: int) -> list[tuple[str, tuple]]:
+        """The verify and draft graphs a decode step can replay while every slot ends before
+        ``span_end`` (what :meth:`capture` takes at start-up)."""
+        q = self.gamma + 1
+        spans = sorted({self._span(e) for e in (64, *self.length_tiers) if e <= span_end})
+        spans = spans or [self._span(span_end)]
+        keys: list[tuple[str, tuple]] = []
+        low = 0
+        for bt in (b for b in self.batch_tiers if b <= self.pool.slots):
+            for nt in (t for t in self.token_tiers if low < t <= bt * q):
+                keys += [("verify", (q, bt, nt, span, False)) for span in spans]
+            if self.drafter is not None:
+                keys += [("draft", (bt, self.gamma, span)) for span in spans]
+            low = bt
+        return keys
+
+    def capture(self, span_end: int, progress: Callable[[str], None] | None = None) -> int:
+        """Capture the decode step's CUDA graphs up front (they are otherwise captured on
+        first use, inside a step): returns how many were new. A no-op without graphs."""
+        if not self.graphs_on:
+            return 0
+        if self.used:
+            raise RuntimeError("capture graphs before any request runs (drafting writes slots)")
+        todo = [(b, k) for b, k in self.graph_keys(span_end) if k not in self._banks[b]]
+        t0 = time.perf_counter()
+        for i, (bank, key) in enumerate(todo, 1):
+            self._banks[bank].capture(key, self._dummy_inputs(bank, key))
+            if progress and (i == len(todo) or i % 25 == 0):
+                progress(f"captured {i}/{len(todo)} CUDA graphs ({time.perf_counter() - t0:.1f} s)")
+        self.pool.lengths[:] = 0
+        return len(todo)
+
+    def _dummy_inputs(self, bank: str, key: tuple) -> dict[str, Tensor]:
+        """Inputs of a graph's shape that touch only the scratch slot (no request's cache)."""
+        dev, trash = self.device, self.pool.trash
+        if bank == "draft":
+            bt, gamma, span = key
+            return {
+                "anchors": torch.zeros(bt, dtype=torch.long, device=dev),
+                "committed": torch.zeros(bt, dtype=torch.long, device=dev),
+                "sts": torch.ones(bt, gamma, device=dev),
+                "span": torch.empty(span, device=dev),
+            }
+        q, bt, nt, span, _ = key
+        return {
+            "tokens": torch.zeros(nt, dtype=torch.long, device=dev),
+            "slot": torch.full((nt,), trash, dtype=torch.long, device=dev),
+            "pos": torch.zeros(nt, dtype=torch.long, device=dev),
+            "qidx": torch.full((nt,), bt * q, dtype=torch.long, device=dev),
+            "past": torch.zeros(bt, dtype=torch.long, device=dev),
+            "q": torch.empty(q, device=dev),
+            "span": torch.empty(span, device=dev),
+        }
+
+    @property
+    def graphs(self) -> int:
+        """Captured CUDA graphs."""
+        return sum(len(b.graphs) for b in self._banks.values())
+
+    @property
+    def graph_capture_seconds(self) -> float:
+        return self.capture_seconds + sum(b.capture_seconds for b in self._banks.values())
+
+
+_CACHE: weakref.WeakKeyDictionary[Target, dict[tuple, BatchedRuntime]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+_CACHE_LOCK = threading.Lock()
+
+
+def shared_runtime(
+    target: Target,
+    drafter: Drafter | None,
+    *,
+    max_batch: int,
+    max_len: int,
+    gamma: int,
+    cuda_graphs: bool = True,
+    compiled: bool = False,
+    token_tiers: Sequence[int] = TOKEN_TIERS,
+    batch_tiers: Sequence[int] = BATCH_TIERS,
+    prefer: BatchedRuntime | None = None,
+) -> BatchedRuntime:
+    """A runtime for this target and drafter, handed out ``busy`` (set ``busy = False`` when
+    the run ends). The same one comes back across runs and engines, so CUDA graphs are
+    captured once; while it is busy (two engines at once on one target, e.g. two servers in
+    one process) a private one is made, since each run needs its own slots. ``prefer`` (the
+    caller's last runtime) comes back first when it is free and fits the same settings."""
+    key = (id(drafter), gamma, bool(cuda_graphs), bool(compiled), tuple(token_tiers),
+           tuple(batch_tiers))
+    with _CACHE_LOCK:
+        per_target = _CACHE.setdefault(target, {})
+        rt = per_target.get(key)
+        if prefer is not None and prefer.key == key and prefer.drafter is drafter:
+            rt = prefer
+        if rt is not None and rt.drafter is drafter and not rt.busy:
+            rt.busy = True
+        else:
+            rt = None
+    if rt is None:
+        rt = BatchedRuntime(
+            target, drafter, max_batch=max_batch, max_len=max_len, gamma=gamma,
+            cuda_graphs=cuda_graphs, compiled=compiled, token_tiers=token_tiers,
+            batch_tiers=batch_tiers,
+        )
+        rt.busy = True
+        rt.key = key
+        with _CACHE_LOCK:
+            cached = per_target.get(key)
+            if cached is None or cached.drafter is not drafter:
+                per_target[key] = rt
+    rt.reset()
+    rt.reserve(max_batch, max_len)
+    return rt
+
+
+PREFILL_CHUNK = 64
+"""Prompt tokens per prefill forward under CUDA graphs (one captured width)."""
+
+
+# --------------------------------------------------------------------------- no speculation
+def run_no_spec(
+    target: Target,
+    requests: Sequence,
+    *,
+    max_batch: int,
+    stop_ids: Sequence[int] = (),
+    cuda_graphs: bool = True,
+    compiled: bool = False,
+) -> RunResult:
+    """Plain greedy decoding on the batched runtime (one token per request per step): the
+    no-speculation baseline, served from a queue at ``max_batch`` concurrency."""
+    from dspark_obs.engine.loop import RunResult
+
+    stops = frozenset(int(s) for s in stop_ids)
+    need = max(len(r.prompt_ids) + r.max_new_tokens + 2 for r in requests)
+    rt = shared_runtime(
+        target, None, max_batch=max_batch, max_len=need, gamma=1, cuda_graphs=cuda_graphs,
+        compiled=compiled,
+    )
+    result = RunResult("no-spec")
+    waiting = list(requests)
+    slot_req: list = []  # slot -> request
+    last: list[int] = []  # slot -> its newest token
+
+    def done(r: object, tokens: list[int]) -> bool:
+        return (tokens[-1] in stops and not r.ignore_eos) or len(tokens) >= r.max_new_tokens
+
+    first: dict[str, float] = {}
+
+    def drop(s: int) -> None:  # the highest slot's request moves into slot s
+        moved = rt.release(s)
+        result.requests += 1
+        rid = slot_req[s].rid
+        result.times[rid] = (first[rid], time.perf_counter())
+        if moved is not None:
+            slot_req[s], last[s] = slot_req[moved], last[moved]
+        slot_req.pop()
+        last.pop()
+
+    t0 = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            while waiting or slot_req:
+                admit = waiting[: max_batch - len(slot_req)]
+                del waiting[: len(admit)]
+                if admit:
+                    slots = [rt.acquire() for _ in admit]
+                    logits = rt.prefill(slots, [r.prompt_ids for r in admit])
+                    now = time.perf_counter()
+                    for r, tok in zip(admit, logits.argmax(-1).tolist(), strict=True):
+                        first[r.rid] = now
+                        result.outputs[r.rid] = [tok]
+                        result.committed_tokens += 1
+                        slot_req.append(r)
+                        last.append(tok)
+                    for s in sorted(slots, reverse=True):
+                        if done(slot_req[s], result.outputs[slot_req[s].rid]):
+                            drop(s)
+                if not slot_req:
+                    continue
+                out = rt.forward(list(range(len(slot_req))), [[t] for t in last], q=1)
+                result.steps += 1
+                for s, tok in enumerate(out.argmax.tolist()):
+                    result.outputs[slot_req[s].rid].append(tok)
+                    last[s] = tok
+                result.committed_tokens += len(slot_req)
+                for s in range(len(slot_req) - 1, -1, -1):
+                    if done(slot_req[s], result.outputs[slot_req[s].rid]):
+                        drop(s)
+    finally:
+        rt.busy = False
+    result.seconds = time.perf_counter() - t0
+    result.target_tokens = result.committed_tokens
+    return result
+
