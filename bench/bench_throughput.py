@@ -68,6 +68,7 @@ from typing import Any
 
 import torch
 
+from dspark_obs.engine import batched
 from dspark_obs.engine.loop import Engine, EngineConfig, GenRequest
 from dspark_obs.engine.session import load_cost_table, load_models, traffic_to_requests
 from dspark_obs.fanout import FanOut, MemorySink
@@ -163,15 +164,6 @@ def local_no_spec(
                     keep.append(s)
             running = keep
     return outputs, times, steps
-
-
-def _batched_no_spec() -> Any:
-    """The ``dspark_obs.engine.batched`` module when it provides ``run_no_spec``, else None."""
-    try:
-        from dspark_obs.engine import batched
-    except ImportError:
-        return None
-    return batched if hasattr(batched, "run_no_spec") else None
 
 
 def run_nospec(models: Any, reqs: Sequence[GenRequest], bs: int, device: torch.device,
@@ -294,7 +286,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--variants", default="nospec,static,compact",
                     help="subset of nospec,static,compact (hf: see --hf)")
     ap.add_argument("--nospec-impl", choices=("auto", "batched", "local"), default="auto",
-                    help="auto: batched.run_no_spec when it exists, else the local loop")
+                    help="auto / batched: batched.run_no_spec; local: the plain loop over "
+                         "the reference Target (auto with --backend reference)")
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
                     help="HF transformers generate at batch 1 (default on)")
     ap.add_argument("--hf-reps", type=int, default=1,
@@ -406,14 +399,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log("no cost table: compact verifies every draft (same windows as static)")
     if args.backend == "reference" and args.nospec_impl == "auto":
         args.nospec_impl = "local"
-    impl = _batched_no_spec() if args.nospec_impl != "local" else None
-    if args.nospec_impl == "batched" and impl is None:
-        log("--nospec-impl batched: dspark_obs.engine.batched.run_no_spec is not importable")
-        return 2
+    impl = batched if args.nospec_impl != "local" else None
     nospec_impl = "dspark_obs.engine.batched.run_no_spec" if impl else "local batched greedy loop"
-    if "nospec" in args.variant_list and impl is None and args.nospec_impl == "auto":
-        log("dspark_obs.engine.batched.run_no_spec not found: nospec uses the local plain "
-            "batched greedy loop (bench_throughput.local_no_spec)")
     hf = None
     if args.hf and 1 in args.batches:
         log("building the HF LlamaForCausalLM from the target's weights")

@@ -48,7 +48,7 @@ from dspark_obs.engine.model import Target
 from dspark_obs.engine.packed import drafter_extend, drafter_states, target_forward
 
 if TYPE_CHECKING:
-    from dspark_obs.engine.loop import RunResult
+    from dspark_obs.engine.loop import GenRequest, RunResult
 
 __all__ = [
     "BATCH_TIERS",
@@ -324,7 +324,7 @@ class BatchedRuntime:
             return
         if self.used and max_batch > old.slots:
             raise RuntimeError("cannot add slots while requests are running")
-        captured = self.capture_seconds + sum(b.capture_seconds for b in self._banks.values())
+        captured = self.graph_capture_seconds  # the old graphs go with the old pool
         new = self._new_pool(max(max_batch, old.slots), max(max_len, old.max_len))
         n = old.max_len
         new.kv[:, :, : self.used, :, :n] = old.kv[:, :, : self.used]
@@ -652,7 +652,7 @@ PREFILL_CHUNK = 64
 # --------------------------------------------------------------------------- no speculation
 def run_no_spec(
     target: Target,
-    requests: Sequence,
+    requests: Sequence[GenRequest],
     *,
     max_batch: int,
     stop_ids: Sequence[int] = (),
@@ -674,7 +674,7 @@ def run_no_spec(
     slot_req: list = []  # slot -> request
     last: list[int] = []  # slot -> its newest token
 
-    def done(r: object, tokens: list[int]) -> bool:
+    def done(r: GenRequest, tokens: list[int]) -> bool:
         return (tokens[-1] in stops and not r.ignore_eos) or len(tokens) >= r.max_new_tokens
 
     first: dict[str, float] = {}

@@ -78,6 +78,12 @@ ESTIMATOR_ROWS = ("all", "sglang")
 target distribution). ``sglang``: none on greedy or top-k / top-p rows, as SGLang's recorder."""
 
 
+def _run_pending(pending: list[Callable[[], None]]) -> None:
+    """Run queued record work in order (a step's records, then the next step's)."""
+    while pending:
+        pending.pop(0)()
+
+
 class EngineError(ValueError):
     """Bad engine input (mode, gamma, prompt...): raised before anything is written."""
 
@@ -224,8 +230,6 @@ class Engine:
         self._on_tokens: OnTokens | None = None
         self._runtime: Any = None  # BatchedRuntime, made on the first run (batched backend)
         self._sts_rows: tuple[np.ndarray, np.ndarray] = (np.ones(0), np.ones(0))
-        self._finish: Callable[[_Live, str], None] = lambda live, reason: None
-        self._settle: Callable[[], None] = lambda: None
 
     # ------------------------------------------------------------------ public
 
@@ -320,11 +324,8 @@ class Engine:
                 progress(1)
 
         def settle() -> None:
-            while pending:
-                pending.pop(0)()
+            _run_pending(pending)
 
-        self._finish = finish
-        self._settle = settle
         with torch.inference_mode():
             while waiting or running or source is not None:
                 if source is not None:
@@ -369,7 +370,7 @@ class Engine:
                 if not running:  # idle until the next arrival
                     fct = max(fct + 1, waiting[0].arrival_step) if waiting else fct + 1
                     continue
-                done = self._step(running, fct, run_id, buf, result, pending)
+                done = self._step(running, fct, run_id, buf, result, pending, finish)
                 for live in sorted(done, key=lambda d: -d.slot):  # highest slot first
                     running.remove(live)
                     self._release(live, running)
@@ -545,6 +546,7 @@ class Engine:
         buf: dict[str, list[dict[str, Any]]],
         result: RunResult,
         pending: list[Callable[[], None]],
+        finish: Callable[[_Live, str], None],
     ) -> list[_Live]:
         """One decode step: draft, plan, verify, accept, commit. Returns the requests that
         finished; their records (and every request's row) are queued on ``pending``, which
@@ -559,7 +561,7 @@ class Engine:
         if events:
             events[1].record()
         if cfg.overlap:
-            self._settle()  # the previous step's records, while the device drafts
+            _run_pending(pending)  # the previous step's records, while the device drafts
         conf = block.confidence.float().cpu().numpy()
         survival = np.cumprod(conf, axis=1)
         draft_tokens = block.tokens.cpu()
@@ -685,7 +687,7 @@ class Engine:
             buf["req_steps"].extend(rows)
             for live, (_, _, _, reason) in zip(running_now, outcomes, strict=True):
                 if reason is not None:
-                    self._finish(live, reason)
+                    finish(live, reason)
 
         pending.append(records)
         return done
