@@ -38,7 +38,10 @@ ifeq ($(SERVE),1)
 	$(PY) -m dspark_obs dashboard --store $(STORE) --port $(DASHBOARD_PORT)
 endif
 
+# What CI runs: the same install step (Prometheus + promtool, Chromium + ChromeDriver, the
+# SGLang wheel; it prints what it could not install and which tests skip), then every test.
 test: install
+	PY=$(PY) ./scripts/install-test-deps.sh
 	$(PY) -m pytest -q -p no:cacheprovider
 
 lint:

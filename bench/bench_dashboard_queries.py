@@ -121,7 +121,7 @@ def main() -> int:
     rollups._cache.clear()
     rollups._joined.clear()
     t = time.perf_counter()
-    for kind in ("req_steps", "requests", "latency", "steps"):
+    for kind in ("req_steps", "requests", "steps"):
         rollups.partials(store, kind)
     cold = 1e3 * (time.perf_counter() - t)
     segs = sum(len(v) for v in rollups._cache.values())

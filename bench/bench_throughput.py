@@ -304,6 +304,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="fuse each layer's dense pieces with torch.compile (default: on for "
                          "cuda, off for cpu)")
     ap.add_argument("--drafter", default=None, help="drafter checkpoint (runtime/drafter)")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="DSpark variants draft from the top-N training tokens only "
+                         "(runtime/drafter/draft_vocab.json; 0: the whole vocabulary)")
     ap.add_argument("--gguf", default=None, help="SmolLM2 GGUF or wheel (sets DSPARK_OBS_GGUF)")
     ap.add_argument("--seed", type=int, default=0, help="prompt selection seed")
     ap.add_argument("--queue-file", default=None, help="replay this workload file (JSONL)")
@@ -390,6 +393,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_all = time.perf_counter()
     log(f"loading SmolLM2 + drafter on {device} ({dtype})")
     models = load_models(args.drafter, device=args.device, dtype=dtype)
+    if args.draft_vocab:
+        from dspark_obs.engine.draft_vocab import draft_vocab, load_ranking
+
+        models.drafter.set_draft_vocab(
+            draft_vocab(load_ranking(), args.draft_vocab, models.stop_ids))
+        log(f"drafting from {int(models.drafter.draft_vocab.numel())} token ids")
     table = load_cost_table(args.cost_table, args.device)
     table_name = args.cost_table or (
         f"runtime/cost_tables/smollm2_{'cpu' if args.device == 'cpu' else 'h200'}.json"

@@ -2,16 +2,34 @@
 
 Producers (the embedded engine, the SGLang collector) never import a concrete sink; sinks
 (the store, Prometheus, OpenTelemetry) never import a producer. ``FanOut`` joins them.
+
+``FanOut(sinks, threaded=True)`` gives every sink its own thread fed by a bounded queue
+(:class:`Lane`), so a producer's ``emit`` costs the validation and a queue put, never a
+sink's write (a store's fsync, an exporter). A full queue makes the producer wait: that
+backpressure is counted and timed per sink (:class:`LaneStats`, :meth:`FanOut.summary`),
+never answered by dropping a batch. What a sink acknowledged is what its ``write`` returned
+from; :meth:`FanOut.drain` returns once every batch emitted so far was, so a caller that
+needs "durable now" (a crash must lose nothing acknowledged) drains first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import pyarrow as pa
 
 from dspark_obs.schema import RecordError, validate
+
+DEFAULT_QUEUE_BATCHES = 16
+"""Batches a sink's queue holds before the producer waits (the engine hands over one batch
+per table every ``flush_every`` steps, so this is hundreds of steps of slack)."""
+
+Clock = Callable[[], float]
 
 
 class RecordSink(Protocol):
@@ -22,32 +40,261 @@ class RecordSink(Protocol):
     def close(self) -> None: ...
 
 
+class SinkError(RuntimeError):
+    """A sink's write failed on its own thread; raised to the producer at its next call."""
+
+
+@dataclass(frozen=True)
+class LaneStats:
+    """One queue's counters: what went in, what came out, and how often the producer waited.
+
+    ``blocked_seconds`` is producer time spent waiting on a full queue (backpressure), on the
+    lane's clock; ``work_seconds`` is time spent in the consumer's calls on its own thread.
+    """
+
+    name: str
+    capacity: int
+    enqueued: int = 0
+    rows: int = 0
+    done: int = 0  # items the consumer finished (a sink: batches acknowledged)
+    failed: int = 0  # items not processed because the consumer failed
+    depth: int = 0
+    max_depth: int = 0
+    blocked: int = 0  # puts that found the queue full and waited
+    blocked_seconds: float = 0.0
+    work_seconds: float = 0.0
+
+    def line(self) -> str:
+        return (
+            f"{self.name}: {self.done}/{self.enqueued} batches ({self.rows} rows), max queue "
+            f"{self.max_depth}/{self.capacity}, producer blocked {self.blocked}x "
+            f"({self.blocked_seconds:.3f} s), worker busy {self.work_seconds:.3f} s"
+            + (f", {self.failed} not written (failed)" if self.failed else "")
+        )
+
+
+_STOP = object()
+_REJECTED = object()  # a lane item carrying rejected rows, not a table name
+
+
+class Lane:
+    """A bounded queue and one thread that hands each item to ``consume``, in order.
+
+    ``put`` waits while the queue is full (counted and timed: backpressure, never a drop).
+    The first exception ``consume`` raises is kept in ``error``; the lane then stops
+    consuming (later items are counted ``failed``) and keeps draining its queue, so a
+    producer never deadlocks on a dead consumer. ``clock`` is injectable (tests count).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        consume: Callable[..., None],
+        capacity: int = DEFAULT_QUEUE_BATCHES,
+        clock: Clock = time.perf_counter,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"queue capacity must be >= 1, got {capacity}")
+        self._consume = consume
+        self._clock = clock
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=capacity)
+        self._lock = threading.Lock()
+        self._stats = LaneStats(name, capacity)
+        self.error: BaseException | None = None
+        self._closed = False
+        thread = name if name.startswith("dspark-obs") else f"dspark-obs-{name}"
+        self._thread = threading.Thread(target=self._run, name=thread, daemon=True)
+        self._thread.start()
+
+    @property
+    def stats(self) -> LaneStats:
+        with self._lock:
+            return replace(self._stats, depth=self._queue.qsize())
+
+    def put(self, *item: Any, rows: int = 0) -> None:
+        """Queue one item (the arguments of one ``consume`` call); waits while full."""
+        if self._closed:
+            raise SinkError(f"{self._stats.name}: the lane is closed")
+        try:
+            self._queue.put_nowait(item)
+            waited = None
+        except queue.Full:
+            t0 = self._clock()
+            self._queue.put(item)
+            waited = self._clock() - t0
+        with self._lock:
+            s = self._stats
+            self._stats = replace(
+                s,
+                enqueued=s.enqueued + 1,
+                rows=s.rows + rows,
+                max_depth=max(s.max_depth, self._queue.qsize()),
+                blocked=s.blocked + (waited is not None),
+                blocked_seconds=s.blocked_seconds + (waited or 0.0),
+            )
+
+    def drain(self) -> None:
+        """Return once every item queued so far was consumed (or counted failed)."""
+        self._queue.join()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Drain, stop the thread and join it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise SinkError(f"{self._stats.name}: worker did not finish within {timeout} s")
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    return
+                self._one(item)
+            finally:
+                self._queue.task_done()
+
+    def _one(self, item: tuple[Any, ...]) -> None:
+        if self.error is not None:
+            with self._lock:
+                self._stats = replace(self._stats, failed=self._stats.failed + 1)
+            return
+        t0 = self._clock()
+        try:
+            self._consume(*item)
+        except BaseException as exc:  # noqa: BLE001 - handed to the producer, not lost
+            self.error = exc
+            with self._lock:
+                self._stats = replace(self._stats, failed=self._stats.failed + 1)
+            return
+        finally:
+            spent = self._clock() - t0
+            with self._lock:
+                self._stats = replace(self._stats, work_seconds=self._stats.work_seconds + spent)
+        with self._lock:
+            self._stats = replace(self._stats, done=self._stats.done + 1)
+
+
+def sink_name(sink: object, taken: Iterable[str] = ()) -> str:
+    """A short, unique label for a sink (its class name, numbered when repeated)."""
+    base = type(sink).__name__
+    name, n = base, 1
+    taken = set(taken)
+    while name in taken:
+        n += 1
+        name = f"{base}-{n}"
+    return name
+
+
 class FanOut:
     """Validate once, then hand the same valid batch to every sink.
 
     Rejected rows are kept in ``errors`` (and never reach a sink); valid rows of the same
-    batch are written.
+    batch are written. ``threaded=True``: each sink writes on its own thread from a queue of
+    ``queue_batches`` batches (see the module docstring); a sink's failure is raised as
+    :class:`SinkError` from the next :meth:`emit`, :meth:`drain` or :meth:`close`.
     """
 
-    def __init__(self, sinks: Iterable[RecordSink]):
+    def __init__(
+        self,
+        sinks: Iterable[RecordSink],
+        *,
+        threaded: bool = False,
+        queue_batches: int = DEFAULT_QUEUE_BATCHES,
+        clock: Clock = time.perf_counter,
+    ):
         self.sinks = list(sinks)
         self.errors: list[RecordError] = []
+        self.threaded = threaded
+        self._lanes: list[Lane] = []
+        if threaded:
+            names: list[str] = []
+            for sink in self.sinks:
+                names.append(sink_name(sink, names))
+                self._lanes.append(Lane(names[-1], _deliver(sink), queue_batches, clock))
+        self._closed = False
 
     def emit(self, table: str, rows: Sequence[Mapping[str, Any]] | pa.Table) -> pa.Table:
+        self._raise_failed()
         batch, errors = validate(table, rows)
         self.errors.extend(errors)
         if errors:  # sinks that count rejections (telemetry) define rejected(errors)
-            for sink in self.sinks:
+            for i, sink in enumerate(self.sinks):
                 if hasattr(sink, "rejected"):
-                    sink.rejected(errors)
+                    if self._lanes:
+                        self._lanes[i].put(_REJECTED, errors)
+                    else:
+                        sink.rejected(errors)
         if batch.num_rows:
-            for sink in self.sinks:
-                sink.write(table, batch)
+            if self._lanes:
+                for lane in self._lanes:
+                    lane.put(table, batch, rows=batch.num_rows)
+            else:
+                for sink in self.sinks:
+                    sink.write(table, batch)
         return batch
 
+    def drain(self) -> list[LaneStats]:
+        """Wait until every sink has written everything emitted so far (acknowledged), then
+        return the queues' counters. A no-op (empty list) when not threaded."""
+        for lane in self._lanes:
+            lane.drain()
+        self._raise_failed()
+        return self.stats()
+
+    def stats(self) -> list[LaneStats]:
+        """Per sink queue counters (threaded), in sink order; empty when not threaded."""
+        return [lane.stats for lane in self._lanes]
+
+    def summary(self) -> str:
+        """The backpressure report of a run, one line per sink ("" when not threaded)."""
+        return "\n".join(s.line() for s in self.stats())
+
+    def join(self) -> list[LaneStats]:
+        """Drain every queue and stop the sink threads, leaving the sinks open (for a caller
+        that owns and closes them itself); later emits are refused. Returns the counters."""
+        for lane in self._lanes:
+            lane.close()
+        self._raise_failed()
+        return self.stats()
+
     def close(self) -> None:
-        for sink in self.sinks:
-            sink.close()
+        """Drain every queue, join every sink thread, then close the sinks (on this thread).
+        A sink's failure is raised after every sink was closed. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            for lane in self._lanes:
+                lane.close()
+        finally:
+            for sink in self.sinks:
+                sink.close()
+        self._raise_failed()
+
+    def _raise_failed(self) -> None:
+        for lane in self._lanes:
+            if lane.error is not None:
+                s = lane.stats
+                raise SinkError(
+                    f"sink {s.name} failed: {type(lane.error).__name__}: {lane.error} "
+                    f"({s.failed} batch(es) not written to it; {s.done} were)"
+                ) from lane.error
+
+
+def _deliver(sink: RecordSink) -> Callable[[Any, Any], None]:
+    """A lane's consumer: a batch goes to ``write``; rejected rows to ``rejected``."""
+
+    def deliver(table: Any, payload: Any) -> None:
+        if table is _REJECTED:
+            sink.rejected(payload)  # type: ignore[attr-defined]
+        else:
+            sink.write(table, payload)
+
+    return deliver
 
 
 class MemorySink:

@@ -90,6 +90,11 @@ def _run_id_rules(data: pa.Table) -> list[Check]:
             reason = (f"too long for a directory name (at most {schema.MAX_RUN_DIR_BYTES} bytes "
                       "once percent-encoded as run_id=...)")
             checks.append(("run_id", mask, reason))
+    # Control characters (a newline, NUL, ...): the same rule as schema.run_id_problem.
+    control = pc.match_substring_regex(col, r"\p{C}")
+    if pc.any(control).as_py():
+        mask = pc.fill_null(control, False).to_numpy(zero_copy_only=False)
+        checks.append(("run_id", mask, "holds control or format characters"))
     return checks
 
 

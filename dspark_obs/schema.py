@@ -18,6 +18,7 @@ keeps its good rows: :func:`validate` returns both.
 from __future__ import annotations
 
 import math
+import unicodedata
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from urllib.parse import quote
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 SOURCES = ("engine", "sglang", "bench")  # bench: a `dspark-obs bench` run over HTTP
 MODES = ("static", "compact", "cap-accept")
@@ -211,6 +213,35 @@ def run_dir_name(run_id: str) -> str:
     return f"run_id={enc}"
 
 
+_CONTROL = frozenset({"Cc", "Cf", "Co", "Cs"})  # what RE2's \p{C} matches (rules.py)
+
+
+def run_id_problem(run_id: object, name_max: int = 255) -> str | None:
+    """Why ``run_id`` cannot name a run in the store (None: it can).
+
+    Not empty; no control or format characters (they break every line-based surface: logs, CSV,
+    Prometheus text); and short enough that the store's longest name for the run fits one
+    path component of ``name_max`` bytes (255 on most filesystems): ``run_id=<percent-
+    encoded run_id>`` plus the generation suffix the store adds (:data:`MAX_RUN_DIR_BYTES`
+    keeps 35 bytes for it).
+    """
+    if not isinstance(run_id, str):
+        return f"must be text, got {type(run_id).__name__}"
+    if not run_id:
+        return "must not be empty"
+    bad = sorted({f"U+{ord(c):04X}" for c in run_id if unicodedata.category(c) in _CONTROL})
+    if bad:
+        return f"holds control or format characters ({', '.join(bad[:5])})"
+    limit = min(MAX_RUN_DIR_BYTES, name_max - (255 - MAX_RUN_DIR_BYTES))
+    size = len(run_dir_name(run_id).encode())
+    if size > limit:
+        return (
+            f"too long for the store: {size} bytes as the directory name run_id=<percent-encoded "
+            f"id>, at most {limit} ({len(run_id)} characters given)"
+        )
+    return None
+
+
 def is_validated(batch: object) -> bool:
     """True if ``batch`` is the very table :func:`validate` returned (so it need not be
     checked again: the FanOut -> Store path validates once). Tables are immutable, and a
@@ -359,15 +390,31 @@ def _conform(
         raise SchemaError(f"{table}: missing required column(s) {missing_required}")
     bad = np.zeros(data.num_rows, dtype=bool)
     errors: dict[int, RecordError] = {}
+    wrong_kind: set[str] = set()  # columns whose every non-null value rejects its row
     for field in schema:
         if field.name not in names or data.column(field.name).type == field.type:
             continue
         col = data.column(field.name)
-        if not _castable(col.type, field.type):
-            raise SchemaError(
-                f"{table}.{field.name}: a {col.type} column cannot hold {field.type} values"
-            )
         arr = col.combine_chunks()
+        if pa.types.is_dictionary(arr.type):  # e.g. a pandas categorical
+            arr = arr.dictionary_decode()
+        if not _castable(arr.type, field.type) and not _parses(arr.type, field.type):
+            wrong_kind.add(field.name)
+            reason = f"expected {field.type}, got {arr.type}"
+            for i in np.flatnonzero(arr.is_valid().to_numpy(zero_copy_only=False)):
+                if not bad[i]:
+                    bad[i] = True
+                    errors[i] = RecordError(table, int(i), field.name, _value(arr, i), reason)
+            continue
+        if _parses(arr.type, field.type) and pa.types.is_integer(field.type):
+            # Arrow also reads "0x10" as 16: an int written as text must be decimal digits.
+            digits = pc.match_substring_regex(arr, r"^[+-]?[0-9]+$")
+            for i in np.flatnonzero(~pc.fill_null(digits, True).to_numpy(zero_copy_only=False)):
+                if not bad[i]:
+                    bad[i] = True
+                    reason = f"not a {field.type} number"
+                    errors[i] = RecordError(table, int(i), field.name, _value(arr, i), reason)
+            arr = pc.if_else(pc.fill_null(digits, True), arr, pa.scalar(None, arr.type))
         try:
             arr.cast(field.type, safe=not _coarser_time(arr.type, field.type))
             continue
@@ -377,10 +424,11 @@ def _conform(
             raise SchemaError(
                 f"{table}.{field.name}: cannot cast {col.type} to {field.type}: {exc}"
             ) from None
+        text = pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)
+        reason = f"not a {field.type} number" if text else f"does not fit {field.type}"
         for i in _uncastable(arr, field.type, 0):
             if not bad[i]:
                 bad[i] = True
-                reason = f"does not fit {field.type}"
                 errors[i] = RecordError(table, i, field.name, _value(arr, i), reason)
     kept = None
     if bad.any():
@@ -388,8 +436,12 @@ def _conform(
         data = data.filter(pa.array(~bad))
     cols = []
     for field in schema:
-        if field.name in names:
+        if field.name in wrong_kind:  # only its null values are left
+            col = pa.nulls(data.num_rows, type=field.type)
+        elif field.name in names:
             col = data.column(field.name)
+            if pa.types.is_dictionary(col.type) and _parses(col.type.value_type, field.type):
+                col = col.cast(col.type.value_type)
             if col.type != field.type:
                 col = col.cast(field.type, safe=not _coarser_time(col.type, field.type))
         elif table == "steps" and field.name in SGLANG_STEP_INT_FIELDS:
@@ -444,6 +496,13 @@ def _castable(src: pa.DataType, dst: pa.DataType) -> bool:
     return False
 
 
+def _parses(src: pa.DataType, dst: pa.DataType) -> bool:
+    """Text where a number belongs: each value is parsed (Arrow's strict cast: "4" is 4;
+    "x", "4.5" for an int, "" reject their row), as one bad value rejects only its row."""
+    text = pa.types.is_string(src) or pa.types.is_large_string(src)
+    return text and (pa.types.is_integer(dst) or pa.types.is_floating(dst))
+
+
 def _coarser_time(src: pa.DataType, dst: pa.DataType) -> bool:
     """ns -> us timestamps (pandas' default): dropping sub-microsecond digits is no error."""
     return pa.types.is_timestamp(src) and pa.types.is_timestamp(dst)
@@ -488,7 +547,7 @@ def validate(
 ) -> tuple[pa.Table, list[RecordError]]:
     """Type-check and rule-check a batch. Returns (valid rows, one error per rejected row).
 
-    Every rule is listed in ``docs/parts/store.md`` ("What is validated"). The valid table is
+    Every rule is listed in the README ("What is validated"). The valid table is
     marked (:func:`is_validated`) so that a sink given it does not check it again.
     """
     data, errors, kept = _to_table(table, rows)

@@ -640,3 +640,163 @@ def test_problems_are_reported_not_fatal():
     assert est.blocks["hi"].tolist() == [2.0 + 3, 3.0 + 2]
     with pytest.raises(ValueError, match="tail"):
         estimate_blocks(rows, tail="magic")
+
+
+# ---------------------------------------------------------------- tail models (issue 21)
+
+
+def _tail_world(n: int, seed: int, alpha: float = -0.6, beta: float = 1.6):
+    """Offsets with a head that is miscalibrated in a known way: the true acceptance is
+    sigmoid(alpha + beta * logit(c)). The budget keeps the high-confidence offsets verified
+    (0/1 labels) and trims the rest; later rows resolve some trimmed ones (soft label a_k =
+    the true rate), as compact's selection does."""
+    from dspark_obs.analytics.estimator_tail import OBS_COLUMNS
+
+    rng = np.random.default_rng(seed)
+    conf = rng.beta(2.0, 2.0, size=n)
+    pos = rng.integers(1, 6, size=n)
+    lc = np.log(conf) - np.log1p(-conf)
+    rate = 1.0 / (1.0 + np.exp(-(alpha + beta * lc)))
+    verified = conf > 0.45
+    resolved = ~verified & (rng.random(n) < 0.3)
+    keep = verified | resolved
+    y = np.where(verified, (rng.random(n) < rate).astype(float), rate)
+    obs = pd.DataFrame(
+        {
+            "request": [f"r{i % 40}" for i in range(n)],
+            "workload": "chat",
+            "position": pos,
+            "conf": conf,
+            "y": y,
+            "resolved": resolved,
+        },
+        columns=list(OBS_COLUMNS),
+    )[keep]
+    trimmed = ~keep
+    return obs, pos[trimmed], conf[trimmed], rate[trimmed]
+
+
+def test_calibrated_tail_corrects_the_selection_effect_that_empirical_rates_miss():
+    from dspark_obs.analytics.estimator_tail import fit_tail
+
+    obs, pos, conf, truth = _tail_world(6000, seed=0)
+    wl = np.full(pos.shape, "chat")
+    cal = fit_tail("calibrated", obs, 5)
+    assert cal.theta[-1] == pytest.approx(1.6, abs=0.15)  # the slope the head lacks
+    err_cal = cal.rates(pos, conf, wl).mean() - truth.mean()
+    err_emp = fit_tail("empirical", obs, 5).rates(pos, conf, wl).mean() - truth.mean()
+    err_head = fit_tail("confidence", obs, 5).rates(pos, conf, wl).mean() - truth.mean()
+    assert abs(err_cal) < 0.01
+    assert err_emp > 0.15  # the verified (kept) offsets overstate the trimmed ones
+    assert abs(err_head) > 0.05
+    # auto picks by held-out log loss on resolved offsets, and says so
+    auto = fit_tail("auto", obs, 5)
+    assert auto.name == "calibrated"
+    assert set(auto.selection) == {"calibrated", "confidence", "empirical"}
+    assert auto.describe()["tail_model"] == "calibrated"
+
+
+def test_calibrated_tail_falls_back_to_the_head_without_data():
+    from dspark_obs.analytics.estimator_tail import OBS_COLUMNS, fit_tail
+
+    empty = pd.DataFrame(columns=list(OBS_COLUMNS)).astype({"resolved": bool, "y": float})
+    model = fit_tail("auto", empty, 5)
+    assert model.name == "calibrated" and not model.selection  # too little to cross-validate
+    c = np.array([0.2, 0.5, 0.9])
+    assert np.allclose(model.rates(np.array([1, 2, 3]), c, np.full(3, "x")), c, atol=1e-9)
+    with pytest.raises(ValueError, match="tail must be one of"):
+        fit_tail("bogus", empty, 5)
+
+
+def test_tail_uncertainty_shrinks_with_data_and_widens_the_interval():
+    from dspark_obs.analytics.estimator_tail import fit_tail
+
+    small, pos, conf, _ = _tail_world(150, seed=1)
+    big, _, _, _ = _tail_world(6000, seed=1)
+    wl = np.full(pos.shape, "chat")
+    spread = []
+    for obs in (small, big):
+        model = fit_tail("calibrated", obs, 5)
+        means = [model.rates(pos, conf, wl, d).mean() for d in model.draws(300, seed=2)]
+        spread.append(np.std(means))
+    assert spread[0] > 2.5 * spread[1] > 0.0
+    # fixed models carry no parameter draws
+    assert fit_tail("confidence", small, 5).draws(3, 0) == [None, None, None]
+
+
+def test_companion_interval_is_exact_where_every_block_is_settled():
+    """Greedy and fully observed blocks: chains are 0/1, so point, companion_ci and the
+    truth coincide (no tail, no coin flips)."""
+    sim = simulate_pair(n_requests=30, seed=5, temperature=0.0, max_new_tokens=60)
+    comp = pair_companion(sim.compact_req_steps, sim.cap_req_steps)
+    est = estimate_blocks(sim.compact_req_steps, sim.compact_requests)
+    settled = est.blocks[est.blocks.greedy_exact]
+    s = summarize_blocks(settled, by=(), n_boot=50, tail_model=est.tail_model).iloc[0]
+    truth = settled.merge(comp.steps[["rid", "step", "ceiling"]], on=["rid", "step"])["ceiling"]
+    assert s.companion_ci_lo == pytest.approx(truth.mean(), abs=1e-12)
+    assert s.companion_ci_hi == pytest.approx(truth.mean(), abs=1e-12)
+    assert s.mean_point == pytest.approx(truth.mean(), abs=1e-12)
+
+
+def test_companion_interval_covers_the_companion_of_the_same_run():
+    """Seeded sampled replicates whose companion consumes the same draws: companion_ci (same
+    blocks, tail parameters and coins redrawn) holds the companion's mean near 95%."""
+    vals = []
+    for seed in range(60):
+        sim = simulate_pair(
+            n_requests=9, seed=seed, temperature=1.0, max_new_tokens=32, shared_draws=True
+        )
+        est = estimate_blocks(sim.compact_req_steps, sim.compact_requests, seed=seed)
+        vals.append(validate_estimator(est, sim.cap_req_steps, by=(), n_boot=100, seed=seed))
+    cov = coverage(vals, by=()).iloc[0]
+    assert 0.88 <= cov["companion_interval_coverage"] <= 1.0, cov.to_dict()
+    assert cov["companion_ci_width"] <= cov["pred_ci_width"]  # no request resampling
+
+
+def test_validation_cell_is_the_nearest_cell_of_the_same_sampling_kind(tmp_path):
+    from dspark_obs.analytics.estimator_cells import (
+        describe_tail,
+        load_cells,
+        sampling_kind,
+        validation_cell,
+    )
+
+    cells = [
+        {"frac": f, "sampling": s, "workload": w, "censored_share": c, "replicates": 20,
+         "point_error": e, "coverage": 0.95, "interval_width": 0.2}
+        for f, s, w, c, e in [
+            (0.75, "T1", "all", 0.1, 0.001), (0.33, "T1", "all", 0.5, 0.012),
+            (0.33, "greedy", "all", 0.6, 0.0), (0.33, "T1", "chat", 0.45, 0.3),
+        ]
+    ]  # fmt: skip
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"cells": cells}))
+    loaded = load_cells(path)
+    assert len(loaded) == 3  # per-workload sub-cells are not what a run is matched against
+    cell = validation_cell(0.42, "temperature", loaded)
+    assert (cell["frac"], cell["point_error"]) == (0.33, 0.012)
+    assert validation_cell(0.42, "top-k", loaded) is None
+    assert load_cells(tmp_path / "absent.json") == []
+    (tmp_path / "bad.json").write_text("{not json")
+    assert load_cells(tmp_path / "bad.json") == []
+    rows = pd.DataFrame({"temperature": [1.0, 1.0], "top_p": [1.0, 0.9], "top_k": [-1, -1]})
+    assert sampling_kind(rows) == "top-p"
+    assert sampling_kind(rows.assign(temperature=0.0)) == "greedy"
+    line = describe_tail({"tail_model": "calibrated", "beta": 1.2, "validation_cell": cell})
+    assert "calibrated" in line and "+1.2%" in line and "0.95" in line
+
+
+def test_report_names_the_tail_model_of_each_compact_run():
+    from dspark_obs.analytics import build_report
+
+    sim = simulate_pair(n_requests=12, seed=2, temperature=1.0, shared_draws=True)
+    runs = sim.runs
+    rs = pd.concat([sim.compact_req_steps, sim.cap_req_steps])
+    rq = pd.concat([sim.compact_requests, sim.cap_requests])
+    rep = build_report(rs, rq, runs, n_boot=20)
+    info = rep.meta["tail_models"]
+    assert set(info) == set(runs.loc[runs["mode"] == "compact", "run_id"])
+    assert all(v["tail_model"] in ("calibrated", "confidence", "empirical") for v in info.values())
+    md = rep.to_markdown()
+    assert "## Estimator tail model" in md and "tail model:" in md
+    assert set(rep.estimator["tail_model"]) <= {"calibrated", "confidence", "empirical"}

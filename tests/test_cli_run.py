@@ -169,3 +169,94 @@ def test_every_refused_run_leaves_the_store_empty(smollm2: Path, tmp_path: Path)
         assert res.exit_code == 2, (args, res.output, res.exception)
         assert message in " ".join(res.output.split()), (args, res.output)
         assert _store_is_empty(store), args
+
+
+# ---------------------------------------------------------------- refused before any work
+
+
+def refused(tmp_path: Path, *args: str) -> str:
+    """Run ``dspark-obs run`` with ``args``: it must exit 2 before loading anything and leave
+    no store behind. Returns the one-line message."""
+    store = tmp_path / "store"
+    res = CliRunner().invoke(app, ["run", "--store", str(store), *args])
+    assert res.exit_code == 2, (args, res.output, res.exception)
+    assert "Traceback" not in res.output and "loading SmolLM2" not in res.output
+    assert not store.exists(), "refused before the store was touched"
+    return " ".join(res.output.split())
+
+
+@pytest.mark.parametrize(
+    ("run_id", "message"),
+    [
+        ("r" * 219, "too long for the store"),  # the issue's case: 226 bytes as run_id=...
+        ("r" * 214, "too long for the store"),  # fits alone, its companion -cap does not
+        ("é" * 40, "too long for the store"),  # 240 bytes percent-encoded
+        ("a\nb", "control or format characters (U+000A)"),
+        ("tab\there", "U+0009"),
+        ("nul\x00", "U+0000"),
+        ("zero\u200bwidth", "U+200B"),
+    ],
+)
+def test_a_run_id_the_store_cannot_hold_is_refused_up_front(
+    tmp_path: Path, run_id: str, message: str
+) -> None:
+    assert message in refused(tmp_path, "--run-id", run_id, "--companion", "-n", "1")
+
+
+def test_run_ids_at_the_limit_are_accepted_by_the_rule() -> None:
+    from dspark_obs.schema import MAX_RUN_DIR_BYTES, run_id_problem, validate
+
+    longest = "r" * (MAX_RUN_DIR_BYTES - len("run_id="))
+    assert run_id_problem(longest) is None and run_id_problem(longest + "r") is not None
+    assert run_id_problem("r" * 100, name_max=100) is not None  # a filesystem with short names
+    row = {"run_id": "a\nb", "source": "engine", "mode": "compact", "gamma": 4}
+    kept, errors = validate("runs", [row, dict(row, run_id="ok")])
+    assert kept.column("run_id").to_pylist() == ["ok"] and errors[0].field == "run_id"
+
+
+@pytest.mark.parametrize("n", ["0", "-3"])
+def test_no_requests_is_an_error(tmp_path: Path, n: str) -> None:
+    assert "--requests must be >= 1" in refused(tmp_path, "--requests", n)
+
+
+def test_an_empty_workload_file_is_an_error(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    message = refused(tmp_path, "--workload-file", str(empty))
+    assert "no requests" in message or "empty" in message
+
+
+@pytest.mark.parametrize("backend", ["reference", "batched"])
+def test_a_prompt_at_the_context_edge_runs_and_one_past_is_refused_before_any_row(
+    tmp_path: Path, backend: str
+) -> None:
+    """prompt + max_new_tokens + gamma + 1 == context runs to completion; one token more is
+    refused before the runs row (nothing is stored)."""
+    import dataclasses
+
+    from test_sinks_prometheus import tiny_models, trimming_config
+
+    from dspark_obs.engine.loop import EngineError, GenRequest
+    from dspark_obs.engine.session import run_with_companion
+
+    models = tiny_models()
+    config = dataclasses.replace(trimming_config(), backend=backend)
+    limit, new = models.target.cfg.max_position, 8
+    for extra, ok in ((0, True), (1, False)):
+        prompt = [1] * (limit - new - config.gamma - 1 + extra)
+        req = GenRequest(rid="edge", prompt_ids=prompt, max_new_tokens=new, temperature=0.0)
+        root = tmp_path / f"{backend}-{extra}"
+        store = Store(root)
+        if ok:
+            main, _, _ = run_with_companion(models, [req], config, [store], "edge")
+            assert main.requests == 1
+        else:
+            with pytest.raises(EngineError, match="exceeds the context"):
+                run_with_companion(models, [req], config, [store], "edge")
+        store.close()
+        rows = (
+            0
+            if not root.exists()
+            else Store(root).query("SELECT count(*) FROM runs").column(0)[0].as_py()
+        )
+        assert rows == (1 if ok else 0)

@@ -142,3 +142,16 @@ def test_dspark_commands_exist_with_their_options(service: str) -> None:
     assert res.exit_code == 0, res.output
     for opt in re.findall(r"(--[a-z][a-z-]+)", args):
         assert opt in res.output, f"{service}: dspark-obs {command} has no {opt}"
+
+
+def test_prometheus_loads_the_monitoring_mixin() -> None:
+    """rule_files, read through the compose mounts, name exactly the mixin's rule files."""
+    mounts = {dst: src for src, dst in _binds(SERVICES["prometheus"])}
+    cfg = yaml.safe_load(mounts["/etc/prometheus/prometheus.yml"].read_text())
+    loaded = set()
+    for pattern in cfg["rule_files"]:
+        folder, _, glob = pattern.rpartition("/")
+        assert folder in mounts, f"rule_files {pattern}: {folder} is not mounted"
+        loaded |= set(mounts[folder].glob(glob))
+    mixin = ROOT / "runtime" / "prometheus" / "rules"
+    assert loaded == set(mixin.glob("*.yml")) and len(loaded) == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from dspark_obs.analytics import estimate_blocks, pair_companion, validate_estimator
 from tests.test_engine_loop import _models, _requests, _run, _trimming_table
@@ -134,7 +135,10 @@ def test_estimator_is_exact_under_top_k_and_top_p_as_under_pure_temperature() ->
     for (label, seed), val in results.items():
         assert bool(val.inside_bracket), (label, seed, val)
         assert bool(val.interval_covers) and bool(val.pred_interval_covers), (label, seed)
-        assert val.point_pct_err <= pure_err + 0.5, (label, seed, val.point_pct_err, pure_err)
+        # within the estimator's 2% goal (issue 21), or as close as pure-temperature rows are
+        # (the tail model is fit per run, so errors differ a little from run to run)
+        limit = max(pure_err + 0.5, 2.0)
+        assert val.point_pct_err <= limit, (label, seed, val.point_pct_err, pure_err)
 
 
 def test_sglang_parity_switch_skips_greedy_and_truncated_rows() -> None:
@@ -154,3 +158,64 @@ def test_sglang_parity_switch_skips_greedy_and_truncated_rows() -> None:
     for col in ("trimmed_tokens", "q_lp", "pg"):
         assert a[col].astype(str).tolist() == b[col].astype(str).tolist(), col
     assert not sglang_skipped_rows(a).any()
+
+
+# ------------------------------------------------ one run gives both sides (issue 21's sweep)
+
+
+def _sweep_module():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_estimator_sweep.py"
+    spec = importlib.util.spec_from_file_location("bench_estimator_sweep", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bench_estimator_sweep", mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize(
+    ("temperature", "sampling"), [(0.0, {}), (1.0, {}), (0.7, {"top_p": 0.9}), (1.0, {"top_k": 3})]
+)
+def test_sweep_companion_rows_are_the_compact_rows_plus_cap_trim(temperature, sampling) -> None:
+    """bench_estimator_sweep runs only the cap-accept companion with compact's estimator
+    fields switched on; that is sound only if those rows equal a compact run's, field for
+    field, under a forced budget (the sweep's trimming), for every sampling setting."""
+    from dataclasses import replace
+
+    from dspark_obs.engine.loop import Engine, EngineConfig
+    from dspark_obs.fanout import FanOut, MemorySink
+
+    sweep = _sweep_module()
+    target, drafter = _models(11)
+    reqs = [
+        replace(r, temperature=temperature, **sampling)
+        for r in _requests(6, seed=11, temperature=temperature)
+    ]
+    tables = {}
+    for mode, cls in (("compact", Engine), ("cap-accept", sweep.companion_engine_class())):
+        sink = MemorySink()
+        fan = FanOut([sink])
+        eng = cls(target, drafter, EngineConfig(mode=mode, gamma=5, max_batch=3, overlap=False))
+        eng.scheduler.forced_budget_frac = 0.4
+        eng.run(reqs, fan.emit, "run")
+        assert fan.errors == []
+        tables[mode] = sink.table("req_steps").to_pandas().sort_values(["rid", "forward_ct"])
+    compact, cap = (t.reset_index(drop=True) for t in (tables["compact"], tables["cap-accept"]))
+    fields = ["rid", "forward_ct", "prefix_len", "verify_len", "acc_len", "correct_drafts",
+              "bonus_token", "draft_tokens", "confidence", "trimmed_tokens", "q_lp",
+              "pg"]  # fmt: skip
+
+    def norm(v):
+        if v is None or (isinstance(v, float) and np.isnan(v)):
+            return None
+        return v.tolist() if hasattr(v, "tolist") else v
+
+    for f in fields:
+        assert [norm(v) for v in compact[f]] == [norm(v) for v in cap[f]], f
+    censored = compact["trimmed_tokens"].notna()
+    assert censored.any()  # the forced budget really trims
+    assert (compact["cap_trim"] == 0).all() and (cap["cap_trim"] >= 0).all()
+    assert censored[cap["cap_trim"] > 0].all()  # a hidden accept needs a fully accepted window

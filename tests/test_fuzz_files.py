@@ -133,6 +133,67 @@ def test_sts_json_reader_never_tracebacks(data: bytes) -> None:
     _expect_clear(load, path, StsFileError)
 
 
+@FUZZ
+@given(data=_file_texts(STS))
+def test_the_drafters_sts_reader_never_tracebacks(data: bytes) -> None:
+    """engine.drafter.load_sts (``run --sts`` for the drafter): the same bounded reading."""
+    from dspark_obs.engine.drafter import load_sts
+
+    path = _write(data, ".json")
+
+    def load() -> None:
+        temps = load_sts(path)
+        assert temps and all(math.isfinite(t) and t > 0 for t in temps)
+
+    _expect_clear(load, path, ValueError)
+
+
+def test_the_drafters_sts_reader_names_deep_nesting(tmp_path: Path) -> None:
+    from dspark_obs.engine.drafter import load_sts
+
+    path = tmp_path / "sts.json"
+    path.write_text('{"temperatures": ' + _deep(100_000) + "}")
+    with pytest.raises(ValueError, match="nested deeper than"):
+        load_sts(path)
+
+
+TRAFFIC_LINE = {
+    "prompt": {"id": "p", "workload": "chat", "messages": [{"role": "user", "content": "hi"}]},
+    "arrival_step": 0,
+    "max_new_tokens": 8,
+}
+
+
+@FUZZ
+@given(
+    lines=st.lists(
+        st.one_of(_file_texts(TRAFFIC_LINE), st.just(json.dumps(TRAFFIC_LINE).encode())), max_size=4
+    )
+)
+def test_the_workload_file_reader_never_tracebacks(lines: list[bytes]) -> None:
+    from dspark_obs.workloads import WorkloadFileError, load_traffic
+
+    path = _write(b"\n".join(line.replace(b"\n", b" ") for line in lines), ".jsonl")
+    _expect_clear(lambda: load_traffic(path), path, WorkloadFileError)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        _deep(100_000),
+        '{"a": ' + "1" * 6000 + "}",
+        '{"prompt": ' + "{" * 50_000 + "}" * 50_000 + "}",
+    ],
+)
+def test_the_workload_file_reader_names_the_line(tmp_path: Path, line: str) -> None:
+    from dspark_obs.workloads import WorkloadFileError, load_traffic
+
+    path = tmp_path / "w.jsonl"
+    path.write_text(json.dumps(TRAFFIC_LINE) + "\n" + line + "\n")
+    with pytest.raises(WorkloadFileError, match=r":2\b|line 2"):
+        load_traffic(path)
+
+
 tensors = st.builds(
     lambda shape, dtype, fill: torch.full(shape, fill).to(dtype),
     st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 import tempfile
+import unicodedata
 from typing import Any
 
 import pandas as pd
@@ -53,7 +54,8 @@ TEMPLATES: dict[str, dict[str, Any]] = {
 BAD_SCALARS = [
     None, math.nan, math.inf, -math.inf, -1, 0, 1, 2, 7, -7, 2.5, -0.0, 1e300, -1e300,
     2**31, 2**40, 2**62, 2**63 - 1, 2**63, 2**64, -(2**63), -(2**63) - 1, 10**30, True, False,
-    "", "x", "5", "compact", "stop", b"\x00\xff", [], [1], {"a": 1}, "r" * 300, "é" * 80,
+    "", "x", "5", "a\nb", "\u200b", "compact", "stop", b"\x00\xff", [], [1], {"a": 1},
+    "r" * 300, "é" * 80,
     "__HIVE_DEFAULT_PARTITION__", dt.datetime(1960, 1, 1, tzinfo=dt.UTC),
     dt.datetime(2026, 12, 1, tzinfo=dt.UTC),
 ]
@@ -137,6 +139,8 @@ def violations(table: str, row: dict[str, Any]) -> list[str]:
     run_id = row.get("run_id")
     if not run_id or len(schema.run_dir_name(run_id).encode()) > schema.MAX_RUN_DIR_BYTES:
         bad.append("run_id empty or too long")
+    elif any(unicodedata.category(c) in ("Cc", "Cf", "Co", "Cs") for c in run_id):
+        bad.append("run_id holds a control character")
 
     def ge(name: str, low: int) -> None:
         if row.get(name) is not None and row[name] < low:
@@ -338,7 +342,7 @@ def test_fanout_to_store_validates_once(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_pandas_frames_are_accepted_as_they_come() -> None:
     """Categorical strings and nanosecond timestamps (pandas' defaults) are fine; text where
-    a number belongs is one clear SchemaError naming the column."""
+    a number belongs that is not a number rejects its rows, naming the column."""
     frame = pd.DataFrame([TEMPLATES["steps"]] * 3)
     frame["mode"] = frame["mode"].astype("category")
     frame["ts"] = pd.Timestamp("2026-12-01 10:00:00.123456789", tz="UTC")
@@ -346,5 +350,71 @@ def test_pandas_frames_are_accepted_as_they_come() -> None:
     assert kept.num_rows == 3 and not errors
     assert str(kept.column("ts")[0]) == "2026-12-01 10:00:00.123456+00:00"
     frame["bs"] = "three"
-    with pytest.raises(schema.SchemaError, match=r"steps\.bs: a \S*string column cannot hold"):
-        schema.validate("steps", pa.Table.from_pandas(frame, preserve_index=False))
+    kept, errors = schema.validate("steps", pa.Table.from_pandas(frame, preserve_index=False))
+    assert kept.num_rows == 0 and [(e.row, e.field, e.value) for e in errors] == [
+        (i, "bs", "three") for i in range(3)
+    ]
+
+
+def numbers_as(kind: str, values: list[Any]) -> pa.Array:
+    """``values`` in a column of another type: text, categorical text, bools, lists."""
+    if kind == "text":
+        return pa.array([None if v is None else str(v) for v in values])
+    if kind == "categorical":
+        return pa.array([None if v is None else str(v) for v in values]).dictionary_encode()
+    if kind == "double":
+        return pa.array(values, pa.float64())
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["text", "categorical"])
+def test_text_numbers_in_a_typed_column_are_judged_value_by_value(kind: str) -> None:
+    """The issue's case: verify_len as "3", "x", "3" keeps both good rows."""
+    rows = [dict(TEMPLATES["req_steps"], forward_ct=9 + i) for i in range(3)]
+    batch = pa.Table.from_pylist(rows)
+    col = batch.column_names.index("verify_len")
+    batch = batch.set_column(col, "verify_len", numbers_as(kind, ["3", "x", "3"])
+                             if kind == "text" else numbers_as(kind, [3, "x", 3]))
+    kept, errors = schema.validate("req_steps", batch)
+    assert kept.column("forward_ct").to_pylist() == [9, 11]
+    assert kept.column("verify_len").to_pylist() == [3, 3]
+    assert [(e.row, e.field, e.value) for e in errors] == [(1, "verify_len", "x")]
+    assert errors[0].reason == "not a int64 number"
+
+
+@pytest.mark.parametrize(
+    "column",
+    [pa.array([True, False, True]), pa.array([[3], [3], [3]]), pa.array([b"3", b"3", b"3"])],
+    ids=["bool", "list", "binary"],
+)
+def test_a_column_of_the_wrong_kind_rejects_its_rows_not_the_batch(column: pa.Array) -> None:
+    """Every non-null value of a column that cannot hold the field rejects its row; the
+    batch is still judged (a null in such a column is just a null)."""
+    rows = [dict(TEMPLATES["steps"], forward_ct=5 + i) for i in range(4)]
+    batch = pa.Table.from_pylist(rows)
+    col = batch.column_names.index("bs")
+    batch = batch.set_column(col, "bs", pa.concat_arrays([column, pa.nulls(1, column.type)]))
+    kept, errors = schema.validate("steps", batch)
+    assert [e.row for e in errors] == [0, 1, 2] and {e.field for e in errors} == {"bs"}
+    assert kept.column("forward_ct").to_pylist() == [8]
+    assert kept.column("bs").to_pylist() == [None]
+
+
+@FUZZ
+@given(
+    st.lists(st.one_of(st.integers(-5, 2**40), st.sampled_from(["x", "", "4.5", " 3", "1e3",
+                                                                 "nan", "-", "0x10"])),
+             min_size=1, max_size=12),
+    st.sampled_from(["text", "categorical"]),
+)
+def test_any_text_in_a_numeric_column_rejects_only_its_row(values: list[Any], kind: str) -> None:
+    """prefix_len (int64, >= 0) as text: a row is kept iff its text is a valid value."""
+    rows = [dict(TEMPLATES["req_steps"], forward_ct=9 + i) for i in range(len(values))]
+    batch = pa.Table.from_pylist(rows)
+    col = batch.column_names.index("prefix_len")
+    batch = batch.set_column(col, "prefix_len", numbers_as(kind, values))
+    kept, errors = schema.validate("req_steps", batch)
+    good = [i for i, v in enumerate(values) if isinstance(v, int) and v >= 0]
+    assert kept.column("forward_ct").to_pylist() == [9 + i for i in good]
+    assert kept.column("prefix_len").to_pylist() == [values[i] for i in good]
+    assert sorted(e.row for e in errors) == sorted(set(range(len(values))) - set(good))

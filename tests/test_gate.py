@@ -9,21 +9,28 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import numpy as np
+import pandas as pd
 import pytest
 from test_serving_fakeserver import FakeServer
 from typer.testing import CliRunner
 
 from dspark_obs.cli import app
 from dspark_obs.serving import ServingClient
+from dspark_obs.serving.gate import perf_verdict
 from dspark_obs.serving.runner import GateOptions, gate_servers
 from dspark_obs.store import Store
 
+# The gates here run against servers on a shared, loaded machine: wall-clock timings of two
+# identical servers differ by any amount, so these tests never let the performance verdict
+# decide (a huge allowance); test_perf_verdict_* checks the verdict on fixed timings.
+NO_PERF = 1e9
 OPTS = GateOptions(prompts=3, parity_tokens=24, parity_workload="random", bench_workload="random",
                    bench_requests=4, bench_input_len=8, bench_output_len=8, warmup=1,
-                   vocab_size=1000)
+                   vocab_size=1000, max_regression=NO_PERF)
 SMALL = ["--prompts", "3", "--parity-tokens", "24", "--parity-workload", "random",
          "--bench-workload", "random", "--bench-requests", "4", "--input-len", "8",
-         "--output-len", "8", "--vocab-size", "1000"]
+         "--output-len", "8", "--vocab-size", "1000", "--max-regression", str(NO_PERF)]
 
 
 def _gate(base: FakeServer, new: FakeServer):
@@ -101,10 +108,12 @@ def test_bench_cli_writes_store_and_json_then_gate_compares_stored_runs(tmp_path
     assert all(r == {"source": "bench", "completion_tokens": 6, "spec_verify_ct": 3, "n": 6}
                for r in rows)
 
-    same = runner.invoke(app, ["gate", "ra", "rb", "--store", str(store)])
+    same = runner.invoke(app, ["gate", "ra", "rb", "--store", str(store),
+                               "--max-regression", str(NO_PERF)])
     assert same.exit_code == 0, same.output
     assert "| contamination | not run |" in same.output
     differ = runner.invoke(app, ["gate", "ra", "rc", "--store", str(store),
+                                 "--max-regression", str(NO_PERF),
                                  "--report", str(tmp_path / "gate.md")])
     assert differ.exit_code == 1, differ.output
     assert "first difference at token 2" in (tmp_path / "gate.md").read_text()
@@ -123,3 +132,24 @@ def test_gate_cli_over_urls_exit_codes(tmp_path):
     assert mixed.exit_code == 1 and "two server URLs or two stored run ids" in mixed.output
     down = runner.invoke(app, ["gate", "http://127.0.0.1:9", "http://127.0.0.1:9"])
     assert down.exit_code == 1 and "does not answer" in down.output
+
+
+def _timed(tpot_ms: list[float], accept: float = 2.0) -> pd.DataFrame:
+    return pd.DataFrame({"ok": True, "tpot_s": np.asarray(tpot_ms) / 1000.0,
+                         "accept_length": accept})
+
+
+@pytest.mark.parametrize(
+    ("scale", "verdict", "ok"),
+    [(1.5, "slower beyond 3%", False), (1.02, "slower, within the 3% allowance", True),
+     (0.8, "faster", True), (1.0, "no significant difference", True)],
+)
+def test_perf_verdict_on_fixed_timings(scale: float, verdict: str, ok: bool) -> None:
+    """The performance verdict from fixed per-request timings (no clock involved)."""
+    base = [10.0, 10.2, 9.9, 10.1, 10.0, 9.8, 10.3, 10.0]
+    new = [t * scale for t in base]
+    if scale == 1.0:
+        new = base[::-1]  # same values, another order: the interval straddles 1
+    check, (point, lo, hi) = perf_verdict(_timed(base), _timed(new), max_regression=0.03)
+    assert check.passed is ok and check.detail.endswith(verdict), check.detail
+    assert lo <= point <= hi and point == pytest.approx(scale)

@@ -37,6 +37,7 @@ from dspark_obs.sinks.catalog import METRICS  # noqa: E402
 from dspark_obs.store import Store  # noqa: E402
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+RULES = ROOT / "runtime" / "prometheus" / "rules"  # the mixin the panels read
 SCRAPE_S = 1
 
 
@@ -98,7 +99,8 @@ def test_every_panel_query_returns_data(tmp_path: Path) -> None:
     store.write("runs", sample_store._arrow("runs", tables["runs"]))
     metrics_port, prom_port = free_port(), free_port()
     (tmp_path / "prometheus.yml").write_text(
-        f"global:\n  scrape_interval: {SCRAPE_S}s\n"
+        f"global:\n  scrape_interval: {SCRAPE_S}s\n  evaluation_interval: {SCRAPE_S}s\n"
+        f"rule_files: {json.dumps([str(p) for p in sorted(RULES.glob('*.yml'))])}\n"
         "scrape_configs:\n  - job_name: dspark-obs\n    static_configs:\n"
         f"      - targets: ['127.0.0.1:{metrics_port}']\n"
     )
@@ -145,7 +147,8 @@ def test_every_panel_query_returns_data(tmp_path: Path) -> None:
         assert not missing, f"queries without data: {missing}"
         assert not bad, f"queries with NaN/Inf (unguarded division): {bad}"
         # the guard really drops idle windows: after the run, ratios have no sample at all
-        idle = _grafana_expr(build.PANELS[0][1][1].queries[0].expr, f"{4 * SCRAPE_S}s", span)
+        accept_length = {p.title: p for _, ps in build.PANELS for p in ps}["Accept length"]
+        idle = _grafana_expr(accept_length.queries[0].expr, f"{4 * SCRAPE_S}s", span)
         assert _prom_query(base, idle, time=f"{end:.3f}") == []
     finally:
         for proc in (prom, serve):
@@ -155,3 +158,22 @@ def test_every_panel_query_returns_data(tmp_path: Path) -> None:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def test_per_position_acceptance_never_sums_modes() -> None:
+    """Mode = All: compact and cap-accept counts of the same requests stay separate series."""
+    panel = {p.title: p for _, ps in build.PANELS for p in ps}["Acceptance per position"]
+    (q,) = panel.queries
+    rule = build.RECORDING_RULES[panel.recorded[0]]
+    assert "mode" in re.search(r"sum by \(([^)]*)\)", rule).group(1)
+    assert "{{mode}}" in q.legend
+
+
+def test_compact_utilization_is_estimated_with_its_interval() -> None:
+    panel = next(p for _, ps in build.PANELS for p in ps if p.title.startswith("Utilization"))
+    legends = [q.legend for q in panel.queries]
+    assert [g.split(" {{")[0] for g in legends] == [
+        "measured", "estimated", "estimated lo", "estimated hi"]  # fmt: skip
+    measured = build.RECORDING_RULES[panel.recorded[panel.recorded.index(
+        "model_mode_workload:dspark_utilization:ratio_rate5m")]]  # fmt: skip
+    assert "dspark_ceiling_tokens_total" in measured  # exact ceilings only (no compact series)

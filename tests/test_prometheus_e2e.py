@@ -31,6 +31,7 @@ from dspark_obs.engine.session import run_with_companion
 from dspark_obs.store import Store
 
 PROMETHEUS = shutil.which("prometheus")
+RULES = Path(__file__).resolve().parents[1] / "runtime" / "prometheus" / "rules"
 pytestmark = pytest.mark.skipif(
     PROMETHEUS is None, reason="Debian's prometheus binary is not installed (.ci/run installs it)"
 )
@@ -79,8 +80,10 @@ class Prometheus:
     def __init__(self, tmp: Path, target_port: int) -> None:
         self.port = free_port()
         cfg = tmp / "prometheus.yml"
+        rules = [str(p) for p in sorted(RULES.glob("*.yml"))]  # the monitoring mixin
         cfg.write_text(
             "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+            f"rule_files: {json.dumps(rules)}\n"
             "scrape_configs:\n  - job_name: dspark\n"
             f"    static_configs:\n      - targets: ['127.0.0.1:{target_port}']\n"
         )
@@ -95,14 +98,15 @@ class Prometheus:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def query(self, promql: str) -> list[tuple[dict, float]]:
-        body = get(f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": promql}))
+    def query(self, promql: str, at: float | None = None) -> list[tuple[dict, float]]:
+        params = {"query": promql} | ({"time": repr(at)} if at is not None else {})
+        body = get(f"{self.url}/api/v1/query?" + urllib.parse.urlencode(params))
         data = json.loads(body)
         assert data["status"] == "success", data
         return [(r["metric"], float(r["value"][1])) for r in data["data"]["result"]]
 
-    def scalar(self, promql: str) -> float | None:
-        res = self.query(promql)
+    def scalar(self, promql: str, at: float | None = None) -> float | None:
+        res = self.query(promql, at)
         return res[0][1] if res else None
 
     def close(self) -> None:
@@ -134,7 +138,8 @@ def wait_scraped(prom: Prometheus, store: Store, timeout: float = 60) -> None:
         return (
             prom.scalar("sum(dspark_req_steps_total)") == n_rs
             and prom.scalar("sum(dspark_requests_total)") == n_req
-            and prom.scalar("sum(dspark_estimator_blocks_total)") is not None
+            # > 0, not just present: every series is born at 0 one scrape before its value
+            and (prom.scalar("sum(dspark_estimator_blocks_total)") or 0) > 0
         )
 
     wait_for(done, timeout, f"{n_rs} req_steps and {n_req} requests scraped")
@@ -162,8 +167,8 @@ def check_promql_equals_store(
         assert acc[str(j)] == pytest.approx(v, rel=REL)
 
     window = by_label(prom.query(
-        'sum by (workload) (dspark_verify_window_sum{mode="compact"})'
-        ' / sum by (workload) (dspark_verify_window_count{mode="compact"})'),
+        'sum by (workload) (dspark_verify_window_tokens_sum{mode="compact"})'
+        ' / sum by (workload) (dspark_verify_window_tokens_count{mode="compact"})'),
         "workload")  # fmt: skip
     ws = window_stats(compact, by=("workload",))
     assert set(window) == set(ws.workload)
@@ -180,7 +185,7 @@ def check_promql_equals_store(
 
     ece = by_label(prom.query(
         'sum by (position) (abs('
-        'sum by (position, bin) (dspark_calibration_predicted_sum_total{mode="compact"})'
+        'sum by (position, bin) (dspark_calibration_predicted_probability_total{mode="compact"})'
         ' - sum by (position, bin) (dspark_calibration_accepted_total{mode="compact"})))'
         ' / sum by (position) (dspark_calibration_observations_total{mode="compact"})'),
         "position")  # fmt: skip
@@ -188,6 +193,71 @@ def check_promql_equals_store(
     assert len(table) == len(ece) > 0
     for r in table.itertuples():
         assert ece[str(r.position)] == pytest.approx(r.ece, rel=1e-6, abs=1e-12)
+
+
+def check_recipes_and_rules(prom: Prometheus, store: Store, compact_run: str) -> None:
+    """The README's increase() / rate() recipes are exact: every series is born at 0, so an
+    increase() over the whole run, evaluated at a scrape, is the run's total (no first
+    increment lost, nothing extrapolated). The mixin's recorded series equal the store."""
+    rs = store.query("SELECT * FROM req_steps").to_pandas()
+    runs = store.query("SELECT run_id, mode FROM runs").to_pandas()
+    at = prom.scalar("max(timestamp(up))")  # the last scrape: nothing to extrapolate to
+    assert prom.scalar("sum(increase(dspark_req_steps_total[1h]))", at) == pytest.approx(
+        len(rs), rel=REL
+    )
+    committed = prom.scalar('sum(increase(dspark_committed_tokens_total{mode="compact"}[1h]))', at)
+    assert committed == pytest.approx(rs[rs.run_id == compact_run].acc_len.sum(), rel=REL)
+    lab = position_labels(rs[rs.run_id == compact_run], runs=runs)
+    ece = by_label(prom.query(
+        'sum by (position) (abs('
+        'sum by (position, bin) (increase(dspark_calibration_predicted_probability_total'
+        '{mode="compact"}[1h]))'
+        ' - sum by (position, bin) (increase(dspark_calibration_accepted_total'
+        '{mode="compact"}[1h]))))'
+        ' / sum by (position) (increase(dspark_calibration_observations_total'
+        '{mode="compact"}[1h]))',
+        at), "position")  # fmt: skip
+    for r in calibration_table(lab, by=("position",)).itertuples():
+        assert ece[str(r.position)] == pytest.approx(r.ece, rel=1e-6, abs=1e-12)
+
+    # recording rules, evaluated by the same server (the run is shorter than their 5m window)
+    per = lab[lab.observed].groupby(["workload", "position"]).label.mean()
+    cap = step_ceilings(rs[rs.run_id == f"{compact_run}-cap"])
+    by_wl = cap.groupby("workload")[["committed", "ceiling"]].sum()
+
+    def settled(name: str, want) -> list[tuple[dict, float]]:
+        """The recorded series once an evaluation after the last scrape gives ``want``."""
+
+        def check():
+            got = prom.query(name)
+            ok = bool(got) and all(v == pytest.approx(want(m), rel=1e-6) for m, v in got)
+            return got if ok else None
+
+        try:
+            return wait_for(check, 30, name)
+        except AssertionError:
+            got = prom.query(name)
+            raise AssertionError(f"{name}: {[(m, v, want(m)) for m, v in got]}") from None
+
+    acc = settled(
+        'model_mode_workload_position:dspark_position_acceptance:ratio_rate5m{mode="compact"}',
+        lambda m: per[(m["workload"], int(m["position"]))],
+    )
+    assert len(acc) == len(per)
+    util = settled(
+        "model_mode_workload:dspark_utilization:ratio_rate5m",
+        lambda m: by_wl.loc[m["workload"]].committed / by_wl.loc[m["workload"]].ceiling,
+    )
+    assert {m["mode"] for m, _ in util} == {"cap-accept"}  # a compact run has no measured one
+    est = wait_for(
+        lambda: prom.query("model_mode_workload:dspark_utilization_estimated:ratio_rate5m"),
+        30,
+        "estimated utilization",
+    )
+    assert {m["mode"] for m, _ in est} == {"compact"} and all(0 < v <= 1 for _, v in est)
+    rules = json.loads(get(f"{prom.url}/api/v1/rules"))["data"]["groups"]
+    assert {g["name"] for g in rules} == {"dspark-obs.recording", "dspark-obs.alerts"}
+    assert all(r["health"] == "ok" for g in rules for r in g["rules"]), rules
 
 
 def metrics_text(port: int) -> dict[str, float]:
@@ -210,6 +280,7 @@ def test_promql_over_a_live_tiny_run_equals_the_store(stack) -> None:
     store.close()
     wait_scraped(prom, store)
     check_promql_equals_store(prom, store, "live")
+    check_recipes_and_rules(prom, store, "live")
     assert prom.scalar("sum(dspark_records_rejected_total)") in (None, 0.0)
 
     # restart serve: counters resume from the store, never backwards

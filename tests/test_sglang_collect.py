@@ -43,9 +43,20 @@ TRIMMING_TABLE = {  # step time grows steeply with verify tokens: compact trims 
     "m_probes": [1, 8, 16, 64, 128],
     "theta_seconds": [0.0, 0.01, 0.03, 0.15, 0.4],
 }
-CEILING_COLUMNS = ["steps", "mean_window", "share_max_window", "share_window_le3",
-                   "mean_committed", "mean_ceiling", "utilization", "tokens_left",
-                   "est_lo", "est_mid", "est_hi", "est_point"]
+CEILING_COLUMNS = [
+    "steps",
+    "mean_window",
+    "share_max_window",
+    "share_window_le3",
+    "mean_committed",
+    "mean_ceiling",
+    "utilization",
+    "tokens_left",
+    "est_lo",
+    "est_mid",
+    "est_hi",
+    "est_point",
+]
 
 
 @pytest.fixture
@@ -57,8 +68,9 @@ def table_path(tmp_path: Path) -> Path:
 
 @contextlib.contextmanager
 def serving(**opts):
-    server = EngineServer(build_service(ServerOptions(tiny=True, port=0, **opts), env={}),
-                          "127.0.0.1", 0).start()
+    server = EngineServer(
+        build_service(ServerOptions(tiny=True, port=0, **opts), env={}), "127.0.0.1", 0
+    ).start()
     try:
         yield server
     finally:
@@ -67,21 +79,35 @@ def serving(**opts):
 
 def _requests(n: int, temperature: float, seed: int = 0, prefix: str = "q", tokens: int = 24):
     rng = np.random.default_rng(seed)
-    return [GenerationRequest(rid=f"{prefix}{i}", input_ids=rng.integers(97, 105, 8).tolist(),
-                              max_new_tokens=tokens, temperature=temperature, seed=10 + i,
-                              workload=("math", "poetry")[i % 2]) for i in range(n)]
+    return [
+        GenerationRequest(
+            rid=f"{prefix}{i}",
+            input_ids=rng.integers(97, 105, 8).tolist(),
+            max_new_tokens=tokens,
+            temperature=temperature,
+            seed=10 + i,
+            workload=("math", "poetry")[i % 2],
+        )
+        for i in range(n)
+    ]
 
 
 def _keys_unique(store: Store, table: str, key: str) -> bool:
-    total, distinct = store.query(
-        f"SELECT count(*), count(DISTINCT ({key})) FROM {table}").to_pylist()[0].values()
+    total, distinct = (
+        store.query(f"SELECT count(*), count(DISTINCT ({key})) FROM {table}")
+        .to_pylist()[0]
+        .values()
+    )
     return total == distinct
 
 
 def _report(store: Store):
-    return build_report(store.query("FROM req_steps").to_pandas(),
-                        store.query("FROM requests").to_pandas(),
-                        store.query("FROM runs").to_pandas(), n_boot=20)
+    return build_report(
+        store.query("FROM req_steps").to_pandas(),
+        store.query("FROM requests").to_pandas(),
+        store.query("FROM runs").to_pandas(),
+        n_boot=20,
+    )
 
 
 def test_run_and_companion_collected_exactly_and_report_equals_direct(tmp_path, table_path):
@@ -89,16 +115,27 @@ def test_run_and_companion_collected_exactly_and_report_equals_direct(tmp_path, 
     labels = {r.rid: r.workload for r in reqs}
     est = tmp_path / "estimator.jsonl"
     store = Store(tmp_path / "store")
-    with serving(mode="compact", max_batch=1, cost_table=table_path, estimator_path=est) as a, \
-            serving(mode="cap-accept", max_batch=1, cost_table=table_path) as b:
-        col = Collector([
-            CollectorOptions(a.url, "r1", estimator_path=est, workloads=labels),
-            CollectorOptions(b.url, "r1-cap", companion_of="r1", workloads=labels),
-        ], [store], interval_s=0.05)
+    with (
+        serving(mode="compact", max_batch=1, cost_table=table_path, estimator_path=est) as a,
+        serving(mode="cap-accept", max_batch=1, cost_table=table_path) as b,
+    ):
+        col = Collector(
+            [
+                CollectorOptions(a.url, "r1", estimator_path=est, workloads=labels),
+                CollectorOptions(b.url, "r1-cap", companion_of="r1", workloads=labels),
+            ],
+            [store],
+            interval_s=0.05,
+        )
         poller = threading.Thread(target=col.run)
         poller.start()
-        results = drive([DriveTarget(a.url, "r1"), DriveTarget(b.url, "r1-cap")], reqs, [store],
-                        api="sglang", concurrency=2)
+        results = drive(
+            [DriveTarget(a.url, "r1"), DriveTarget(b.url, "r1-cap")],
+            reqs,
+            [store],
+            api="sglang",
+            concurrency=2,
+        )
         col.stop()
         poller.join()
         col.finish()
@@ -106,20 +143,31 @@ def test_run_and_companion_collected_exactly_and_report_equals_direct(tmp_path, 
 
     # exact counts: every step once, every request-step = the servers' verify counts
     verify = {run: sum(r.spec["spec_verify_ct"] for r in res) for run, res in results.items()}
-    counts = {r["run_id"]: r for r in store.query(
-        "SELECT run_id, count(*) AS n, count(trimmed_tokens) AS censored FROM req_steps "
-        "GROUP BY run_id").to_pylist()}
+    counts = {
+        r["run_id"]: r
+        for r in store.query(
+            "SELECT run_id, count(*) AS n, count(trimmed_tokens) AS censored FROM req_steps "
+            "GROUP BY run_id"
+        ).to_pylist()
+    }
     for run in ("r1", "r1-cap"):
         assert counts[run]["n"] == verify[run]
-        assert store.query(f"SELECT count(*) AS n FROM steps WHERE run_id = '{run}'"
-                           ).column("n")[0].as_py() == server_steps[run]
+        assert (
+            store.query(f"SELECT count(*) AS n FROM steps WHERE run_id = '{run}'")
+            .column("n")[0]
+            .as_py()
+            == server_steps[run]
+        )
     assert counts["r1"]["censored"] > 0  # the estimator JSONL was merged in
     for sc in col.servers:
         assert sc.totals.metrics["sglang:spec_verify_calls_total"] == verify[sc.opts.run_id]
-    runs = store.query("SELECT run_id, source, mode, gamma, model, companion_of FROM runs "
-                       "ORDER BY run_id").to_pylist()
+    runs = store.query(
+        "SELECT run_id, source, mode, gamma, model, companion_of FROM runs ORDER BY run_id"
+    ).to_pylist()
     assert [(r["mode"], r["gamma"], r["model"], r["companion_of"]) for r in runs] == [
-        ("compact", 5, "tiny-random", None), ("cap-accept", 5, "tiny-random", "r1")]
+        ("compact", 5, "tiny-random", None),
+        ("cap-accept", 5, "tiny-random", "r1"),
+    ]
     assert {r["source"] for r in runs} == {"sglang"}
     assert _keys_unique(store, "req_steps", "run_id, dp_rank, forward_ct, rid")
 
@@ -129,12 +177,41 @@ def test_run_and_companion_collected_exactly_and_report_equals_direct(tmp_path, 
     models = tiny_models(0, gamma_max=5)
     table = CostTable.load(table_path)
     for mode, run, comp in (("compact", "d1", None), ("cap-accept", "d1-cap", "d1")):
-        eng = Engine(models.target, models.drafter,
-                     EngineConfig(mode=mode, max_batch=1, cost_table=table), ())
-        fan.emit("runs", [eng.run_row(run, model="tiny-random", drafter="d", workload="mixed",
-                                      temperature=0.9, seed=0, companion_of=comp)])
-        eng.run([GenRequest(r.rid, r.input_ids, r.max_new_tokens, workload=r.workload,
-                            temperature=r.temperature, seed=r.seed) for r in reqs], fan.emit, run)
+        eng = Engine(
+            models.target,
+            models.drafter,
+            EngineConfig(mode=mode, max_batch=1, cost_table=table),
+            (),
+        )
+        fan.emit(
+            "runs",
+            [
+                eng.run_row(
+                    run,
+                    model="tiny-random",
+                    drafter="d",
+                    workload="mixed",
+                    temperature=0.9,
+                    seed=0,
+                    companion_of=comp,
+                )
+            ],
+        )
+        eng.run(
+            [
+                GenRequest(
+                    r.rid,
+                    r.input_ids,
+                    r.max_new_tokens,
+                    workload=r.workload,
+                    temperature=r.temperature,
+                    seed=r.seed,
+                )
+                for r in reqs
+            ],
+            fan.emit,
+            run,
+        )
     fan.close()
 
     got, want = _report(store).workloads, _report(direct).workloads
@@ -150,24 +227,46 @@ def test_small_ring_buffer_kept_up_with_and_overflow_reported(tmp_path):
     with serving(mode="compact", max_batch=4, max_records=24) as a:
         # polled after every request (one at a time, fewer steps each than the buffer holds)
         col = Collector([CollectorOptions(a.url, "ring", ring_size=24)], [store])
-        res = drive([DriveTarget(a.url, "ring")], _requests(8, 0.0, seed=1), [store],
-                    api="sglang", concurrency=1, on_done=lambda run, r: col.poll_once())
+        res = drive(
+            [DriveTarget(a.url, "ring")],
+            _requests(8, 0.0, seed=1),
+            [store],
+            api="sglang",
+            concurrency=1,
+            on_done=lambda run, r: col.poll_once(),
+        )
         col.finish()
-        assert store.query("SELECT count(*) AS n FROM steps").column("n")[0].as_py() \
-            == a.service.steps_total > 24
-        assert store.query("SELECT count(*) AS n FROM req_steps").column("n")[0].as_py() \
-            == sum(r.spec["spec_verify_ct"] for r in res["ring"])
+        assert (
+            store.query("SELECT count(*) AS n FROM steps").column("n")[0].as_py()
+            == a.service.steps_total
+            > 24
+        )
+        assert store.query("SELECT count(*) AS n FROM req_steps").column("n")[0].as_py() == sum(
+            r.spec["spec_verify_ct"] for r in res["ring"]
+        )
         assert col.servers[0].totals.overflows == 0
 
         # a collector that polls too rarely: the overflow is reported, not silent
         notes: list[str] = []
-        slow = Collector([CollectorOptions(a.url, "slow", ring_size=24)], [Store(tmp_path / "s")],
-                         report=lambda run, msg: notes.append(msg))
+        slow = Collector(
+            [CollectorOptions(a.url, "slow", ring_size=24)],
+            [Store(tmp_path / "s")],
+            report=lambda run, msg: notes.append(msg),
+        )
         slow.poll_once()
-        drive([DriveTarget(a.url, "ring2")], _requests(8, 0.0, seed=2, prefix="z", tokens=64),
-              [Store(tmp_path / "s")], api="sglang", concurrency=4)
+        drive(
+            [DriveTarget(a.url, "ring2")],
+            _requests(8, 0.0, seed=2, prefix="z", tokens=64),
+            [Store(tmp_path / "s")],
+            api="sglang",
+            concurrency=4,
+        )
         slow.poll_once()
-        assert slow.servers[0].totals.overflows == 1
+        gaps = slow.servers[0].gaps  # the ring was already full at the first read, then it
+        assert [g.why.split(":")[0] for g in gaps] == [  # overflowed between the two polls
+            "before the first read",
+            "the ring buffer overflowed between polls; poll more often or use --clear",
+        ]
         assert any("overflowed" in n for n in notes)
         slow.finish()
 
@@ -181,8 +280,21 @@ def _free_port() -> int:
 def _spawn(port: int) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SGLANG_RAGGED_VERIFY_MODE": "compact"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dspark_obs", "engine-server", "--tiny", "--port", str(port),
-         "--max-batch", "4"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        [
+            sys.executable,
+            "-m",
+            "dspark_obs",
+            "engine-server",
+            "--tiny",
+            "--port",
+            str(port),
+            "--max-batch",
+            "4",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -201,16 +313,22 @@ def test_server_killed_mid_run_and_restarted(tmp_path):
     url = f"http://127.0.0.1:{port}"
     store = Store(tmp_path / "store")
     notes: list[str] = []
-    col = Collector([CollectorOptions(url, "k", state_dir=tmp_path / "state", timeout_s=5)],
-                    [store], interval_s=0.05, max_backoff_s=0.5,
-                    report=lambda run, msg: notes.append(msg))
+    col = Collector(
+        [CollectorOptions(url, "k", state_dir=tmp_path / "state", timeout_s=5)],
+        [store],
+        interval_s=0.05,
+        max_backoff_s=0.5,
+        report=lambda run, msg: notes.append(msg),
+    )
     poller = threading.Thread(target=col.run)
     first = _spawn(port)
     try:
         poller.start()
-        inflight = threading.Thread(target=drive, args=(
-            [DriveTarget(url, "k")], _requests(4, 0.0, prefix="a", tokens=200), [store]),
-            kwargs={"api": "sglang", "concurrency": 4})
+        inflight = threading.Thread(
+            target=drive,
+            args=([DriveTarget(url, "k")], _requests(4, 0.0, prefix="a", tokens=200), [store]),
+            kwargs={"api": "sglang", "concurrency": 4},
+        )
         inflight.start()
         deadline = time.monotonic() + 30
         while col.servers[0].totals.steps < 5 and time.monotonic() < deadline:
@@ -221,8 +339,13 @@ def test_server_killed_mid_run_and_restarted(tmp_path):
         time.sleep(0.3)  # some polls fail against the dead server
         second = _spawn(port)
         try:
-            res = drive([DriveTarget(url, "k")], _requests(3, 0.0, prefix="b"), [store],
-                        api="sglang", concurrency=3)
+            res = drive(
+                [DriveTarget(url, "k")],
+                _requests(3, 0.0, prefix="b"),
+                [store],
+                api="sglang",
+                concurrency=3,
+            )
             time.sleep(0.2)
         finally:
             col.stop()
@@ -289,12 +412,21 @@ class _FaultyProxy:
 def test_truncated_and_partial_responses_are_retried_and_lose_nothing(tmp_path):
     store = Store(tmp_path / "store")
     with serving(mode="compact", max_batch=4) as a:
-        res = drive([DriveTarget(a.url, "t")], _requests(5, 0.0, seed=3), [store], api="sglang",
-                    concurrency=4)
+        res = drive(
+            [DriveTarget(a.url, "t")],
+            _requests(5, 0.0, seed=3),
+            [store],
+            api="sglang",
+            concurrency=4,
+        )
         proxy = _FaultyProxy(a.url, ["truncated", "partial", "truncated"])
         notes: list[str] = []
-        col = Collector([CollectorOptions(proxy.url, "t", timeout_s=5)], [store],
-                        interval_s=0.01, report=lambda run, msg: notes.append(msg))
+        col = Collector(
+            [CollectorOptions(proxy.url, "t", timeout_s=5)],
+            [store],
+            interval_s=0.01,
+            report=lambda run, msg: notes.append(msg),
+        )
         try:
             col.run(duration_s=1.5)
             col.finish()
@@ -307,97 +439,6 @@ def test_truncated_and_partial_responses_are_retried_and_lose_nothing(tmp_path):
     assert t.polls >= 1  # then a good read stored everything
     assert store.query("SELECT count(*) AS n FROM steps").column("n")[0].as_py() == steps_total
     assert store.query("SELECT count(*) AS n FROM req_steps").column("n")[0].as_py() == sum(
-        r.spec["spec_verify_ct"] for r in res["t"])
+        r.spec["spec_verify_ct"] for r in res["t"]
+    )
     assert _keys_unique(store, "req_steps", "run_id, dp_rank, forward_ct, rid")
-
-
-def test_collector_killed_and_restarted_resumes_without_loss(tmp_path, table_path):
-    """Request-steps a collector held for their estimator lines were never stored: its
-    successor (same state directory) reads them again; nothing is lost or stored twice."""
-    est = tmp_path / "est.jsonl"
-    store = Store(tmp_path / "store")
-    with serving(mode="compact", max_batch=2, estimator_path=est, cost_table=table_path) as a:
-        opts = CollectorOptions(a.url, "c", estimator_path=est, state_dir=tmp_path / "state")
-        res = drive([DriveTarget(a.url, "c")], _requests(4, 0.9, seed=5), [store], api="sglang",
-                    concurrency=2)
-        first = Collector([opts], [store])
-        first.poll_once()  # the last steps wait for estimator lines: held in memory...
-        held = first.servers[0]._held
-        assert held and sum(t.num_rows for _, t in held) > 0
-        del first  # ...and the collector dies without writing them
-        second = Collector([opts], [store])
-        second.poll_once(final=True)
-        second.finish()
-    lines = [json.loads(x) for x in est.read_text().splitlines()]
-    got = store.query("SELECT count(*) AS n, count(trimmed_tokens) AS t, count(pg) AS p "
-                      "FROM req_steps").to_pylist()[0]
-    assert got["n"] == sum(r.spec["spec_verify_ct"] for r in res["c"])
-    assert got["t"] == sum("trimmed_tokens" in x for x in lines) > 0
-    assert got["p"] == sum("pg" in x for x in lines)
-    assert _keys_unique(store, "req_steps", "run_id, dp_rank, forward_ct, rid")
-
-
-class _StaticServer:
-    """Serves a /server_info body the test sets: SGLang with DP attention (two ranks) cannot
-    run here, so its response shape is played back (built with dspark-obs's record types)."""
-
-    def __init__(self):
-        self.body = b"{}"
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):  # noqa: N802
-                body = outer.body if self.path == "/server_info" else b""
-                self.send_response(200 if self.path == "/server_info" else 404)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-    def set(self, startup: float, ranks: list[range]):
-        import msgspec
-
-        from dspark_obs.sglang.records import DecodeStepRecord, InfoDump, ReqDetail
-
-        states = [{"dspark_info_record": InfoDump("compact", 5, 6, ["core", "reqs"], [
-            DecodeStepRecord(forward_ct=f, bs=1, mode="compact", reqs=[ReqDetail(
-                0, 10, 3, 2, 1, 0, 7, [1, 2, 3, 4, 5], rid=f"dp{dp}-{f // 10}")])
-            for f in fcts])} for dp, fcts in enumerate(ranks)]
-        self.body = msgspec.json.encode({"model_path": "big", "startup_time": startup,
-                                         "internal_states": states})
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-def test_every_dp_rank_collected_deduplicated_and_restarted(tmp_path):
-    srv = _StaticServer()
-    store = Store(tmp_path / "store")
-    col = Collector([CollectorOptions(srv.url, "dp", scrape_metrics=False)], [store])
-    try:
-        srv.set(1.0, [range(0, 30, 2), range(1, 20)])
-        col.poll_once()
-        srv.set(1.0, [range(10, 50, 2), range(5, 25)])  # whole ring buffer again, grown
-        col.poll_once()
-        srv.set(2.0, [range(0, 6), range(0, 4)])  # restarted: forward_ct from 0 again
-        (rep,) = col.poll_once()
-        col.finish()
-    finally:
-        srv.close()
-    assert rep.restarts == 2  # one per rank
-    got = {r["dp_rank"]: r for r in store.query(
-        "SELECT dp_rank, count(*) AS n, min(forward_ct) AS lo, max(forward_ct) AS hi "
-        "FROM steps GROUP BY dp_rank").to_pylist()}
-    assert got[0]["n"] == 25 + 6 and got[1]["n"] == 24 + 4
-    assert got[0]["hi"] == 48 + 1 + 5 and got[1]["hi"] == 24 + 1 + 3  # epoch offset = max + 1
-    assert store.query("SELECT count(*) AS n FROM req_steps").column("n")[0].as_py() == 25 + 6 \
-        + 24 + 4
-    assert store.query("SELECT dp_size, model FROM runs").to_pylist() == [
-        {"dp_size": 2, "model": "big"}]

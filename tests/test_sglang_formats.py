@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import ast
 import json
+import threading
 import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
 import msgspec
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from dspark_obs.analytics.sts import StsCalibration, fit_sts, load_sts_shards, save_sts_shard
@@ -74,8 +76,14 @@ def _fields(cls: ast.ClassDef) -> list[tuple[str, ast.expr, Any, bool]]:
     for stmt in cls.body:
         if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
             has = stmt.value is not None
-            out.append((stmt.target.id, stmt.annotation,
-                        ast.literal_eval(stmt.value) if has else None, has))
+            out.append(
+                (
+                    stmt.target.id,
+                    stmt.annotation,
+                    ast.literal_eval(stmt.value) if has else None,
+                    has,
+                )
+            )
     return out
 
 
@@ -86,8 +94,13 @@ def _struct(cls: ast.ClassDef, nested: dict[str, type] | None = None) -> type:
     fields = []
     for name, ann, default, has in _fields(cls):
         src = ast.unparse(ann)
-        typ = _type(ann) if not any(n in src for n in nested) else eval(  # noqa: S307
-            src, {"Optional": Optional, "list": list, **nested})
+        typ = (
+            _type(ann)
+            if not any(n in src for n in nested)
+            else eval(  # noqa: S307
+                src, {"Optional": Optional, "list": list, **nested}
+            )
+        )
         fields.append((name, typ, default) if has else (name, typ))
     return msgspec.defstruct(cls.name, fields, **kwargs)
 
@@ -99,8 +112,13 @@ def test_step_record_types_match_the_wheel(classes):
     for name, mine in (("DecodeStepRecord", ours.DecodeStepRecord), ("ReqDetail", ours.ReqDetail)):
         theirs = _fields(classes[name])
         assert [f[0] for f in theirs] == list(mine.__struct_fields__), name
-        defaults = dict(zip(mine.__struct_fields__[-len(mine.__struct_defaults__):],
-                            mine.__struct_defaults__, strict=True))
+        defaults = dict(
+            zip(
+                mine.__struct_fields__[-len(mine.__struct_defaults__) :],
+                mine.__struct_defaults__,
+                strict=True,
+            )
+        )
         for fname, _ann, default, has in theirs:
             assert (fname in defaults) == has, f"{name}.{fname}: required in one only"
             if has:
@@ -122,13 +140,35 @@ def test_engine_server_records_decode_under_the_wheel_rules(classes):
 
     req_cls = _struct(classes["ReqDetail"])
     step_cls = _struct(classes["DecodeStepRecord"], {"ReqDetail": req_cls})
-    step = {"forward_ct": 7, "bs": 2, "mode": "compact", "budget": 4, "lag_steps": 2,
-            "num_running_reqs": 2, "num_verify_tokens": 6, "verify_tokens_local": 6,
-            "predicted_step_ms": None, "predicted_theta": None, "step_cpu_ms": 3.141592}
-    reqs = [{"req_pool_index": i, "prefix_len": 10 + i, "verify_len": 3, "acc_len": 2,
-             "correct_drafts": 1, "cap_trim": 0, "bonus_token": 5, "draft_tokens": [1, 2, 3],
-             "rid": f"r{i}", "confidence": [0.912345, 0.5, 0.25],
-             "survival": [0.912345, 0.4561725, 0.114]} for i in range(2)]
+    step = {
+        "forward_ct": 7,
+        "bs": 2,
+        "mode": "compact",
+        "budget": 4,
+        "lag_steps": 2,
+        "num_running_reqs": 2,
+        "num_verify_tokens": 6,
+        "verify_tokens_local": 6,
+        "predicted_step_ms": None,
+        "predicted_theta": None,
+        "step_cpu_ms": 3.141592,
+    }
+    reqs = [
+        {
+            "req_pool_index": i,
+            "prefix_len": 10 + i,
+            "verify_len": 3,
+            "acc_len": 2,
+            "correct_drafts": 1,
+            "cap_trim": 0,
+            "bonus_token": 5,
+            "draft_tokens": [1, 2, 3],
+            "rid": f"r{i}",
+            "confidence": [0.912345, 0.5, 0.25],
+            "survival": [0.912345, 0.4561725, 0.114],
+        }
+        for i in range(2)
+    ]
     for comps in (frozenset(ours.COMPONENTS), frozenset({"core"}), frozenset({"step_cpu_time"})):
         body = msgspec.json.encode(_record(step, reqs, comps))
         back = msgspec.json.decode(body, type=step_cls)
@@ -144,38 +184,117 @@ def test_engine_server_records_decode_under_the_wheel_rules(classes):
 
 def test_collector_reads_records_written_by_the_wheel_rules(classes):
     """Records encoded by the rebuilt SGLang classes parse into the store schema, defaults
-    (left out of the JSON) becoming -1 / null, and a record without forward_ct is refused."""
+    (left out of the JSON) becoming -1 / null, and a record without forward_ct is left out
+    and named while the others of its chunk are kept."""
     req_cls = _struct(classes["ReqDetail"])
     step_cls = _struct(classes["DecodeStepRecord"], {"ReqDetail": req_cls})
     recs = [
-        step_cls(forward_ct=3, bs=1, mode="cap-accept", reqs=[req_cls(
-            req_pool_index=0, prefix_len=4, verify_len=2, acc_len=2, correct_drafts=1,
-            cap_trim=2, bonus_token=9, draft_tokens=[1, 2, 3, 4, 5])]),
+        step_cls(
+            forward_ct=3,
+            bs=1,
+            mode="cap-accept",
+            reqs=[
+                req_cls(
+                    req_pool_index=0,
+                    prefix_len=4,
+                    verify_len=2,
+                    acc_len=2,
+                    correct_drafts=1,
+                    cap_trim=2,
+                    bonus_token=9,
+                    draft_tokens=[1, 2, 3, 4, 5],
+                )
+            ],
+        ),
         step_cls(forward_ct=4),
     ]
     raws = [msgspec.Raw(msgspec.json.encode(r)) for r in recs]
-    (tab,) = ours.records_to_tables(raws, run_id="r", dp_rank=1, gamma=5, mode="cap-accept",
-                                    fct_offset=100)
+    (tab,) = ours.records_to_tables(
+        raws, run_id="r", dp_rank=1, gamma=5, mode="cap-accept", fct_offset=100
+    )
     assert tab.steps.column("forward_ct").to_pylist() == [103, 104]
     assert tab.steps.column("budget").to_pylist() == [-1, -1]
     assert tab.steps.column("mode").to_pylist() == ["cap-accept", "cap-accept"]
     (row,) = tab.req_steps.to_pylist()
     assert row["rid"] == "pool0" and row["cap_trim"] == 2 and row["confidence"] is None
     pretty = [msgspec.Raw(json.dumps(msgspec.to_builtins(r), indent=2).encode()) for r in recs]
-    (again,) = ours.records_to_tables(pretty, run_id="r", dp_rank=1, gamma=5,
-                                      mode="cap-accept", fct_offset=100)
+    (again,) = ours.records_to_tables(
+        pretty, run_id="r", dp_rank=1, gamma=5, mode="cap-accept", fct_offset=100
+    )
     assert again.steps.equals(tab.steps) and again.req_steps.equals(tab.req_steps)
-    with pytest.raises(ours.DumpError, match=r"records\[1\]"):
-        list(ours.records_to_tables([raws[0], msgspec.Raw(b'{"bs": 2}')], run_id="r",
-                                    dp_rank=0, gamma=5, mode=None))
+    (part,) = ours.records_to_tables(
+        [raws[0], msgspec.Raw(b'{"bs": 2}')], run_id="r", dp_rank=0, gamma=5, mode=None
+    )
+    assert part.steps.column("forward_ct").to_pylist() == [3]
+    assert len(part.errors) == 1 and part.errors[0].startswith("records[1]: ")
+    assert "forward_ct" in part.errors[0]
+
+
+def test_chunks_parsed_in_parallel_equal_the_serial_parse(classes):
+    """Chunks parsed two at a time come out in record order, field-equal to one at a time;
+    a wrongly typed record in any chunk is named by its index in the whole list and left out,
+    its neighbours kept."""
+    req_cls = _struct(classes["ReqDetail"])
+    step_cls = _struct(classes["DecodeStepRecord"], {"ReqDetail": req_cls})
+    recs = [
+        step_cls(
+            forward_ct=i,
+            bs=2,
+            mode="compact",
+            reqs=[
+                req_cls(
+                    req_pool_index=j,
+                    prefix_len=10 + i,
+                    verify_len=3,
+                    acc_len=2,
+                    correct_drafts=1,
+                    cap_trim=0,
+                    bonus_token=i * 7 + j,
+                    draft_tokens=[i, j, 1, 2, 3],
+                    rid=f"r{j}",
+                    confidence=[0.5] * 5,
+                )
+                for j in range(2)
+            ],
+        )
+        for i in range(23)
+    ]
+    raws = [msgspec.Raw(msgspec.json.encode(r)) for r in recs]
+    bad = {5: b'{"forward_ct": "5", "bs": 2}', 17: b'{"forward_ct": 17, "bs": 1.5}'}
+    for i, body in bad.items():
+        raws[i] = msgspec.Raw(body)
+
+    def run(workers: int) -> tuple[Any, Any, list[str]]:
+        parts = list(
+            ours.records_to_tables(
+                raws, run_id="r", dp_rank=0, gamma=5, mode=None, chunk=4, workers=workers
+            )
+        )
+        steps = pa.concat_tables([t.steps for t in parts])
+        reqs = pa.concat_tables([t.req_steps for t in parts])
+        return steps, reqs, [e for t in parts for e in t.errors]
+
+    steps, reqs, errors = run(2)
+    want = [i for i in range(23) if i not in bad]
+    assert steps.column("forward_ct").to_pylist() == want
+    assert reqs.column("bonus_token").to_pylist() == [i * 7 + j for i in want for j in range(2)]
+    assert [e.split(":")[0] for e in errors] == ["records[5]", "records[17]"]
+    serial = run(1)
+    assert steps.equals(serial[0]) and reqs.equals(serial[1]) and errors == serial[2]
+    # a caller that stops early (a store error mid-poll) leaves no parse thread behind
+    chunks = ours.records_to_tables(raws, run_id="r", dp_rank=0, gamma=5, mode=None, chunk=2)
+    next(chunks)
+    chunks.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("dump-parse")]
 
 
 # ---------------------------------------------------------------- STS and SPS files
 
 
 def _post_init_checks(cls: ast.ClassDef) -> str:
-    return ast.unparse(next(s for s in cls.body if isinstance(s, ast.FunctionDef)
-                            and s.name == "__post_init__"))
+    return ast.unparse(
+        next(s for s in cls.body if isinstance(s, ast.FunctionDef) and s.name == "__post_init__")
+    )
 
 
 def test_sts_json_decodes_under_the_wheel_rules(classes, tmp_path):
@@ -200,18 +319,29 @@ def test_sts_json_decodes_under_the_wheel_rules(classes, tmp_path):
 def test_sps_tables_decode_under_the_wheel_rules(classes, tmp_path):
     one_d = _struct(classes["SpsCostTable"])
     additive = _struct(classes["SpsAdditiveCostTable"])
-    t1 = StepsPerSecTable.from_dict({"sample_batch_tokens": [1, 8, 64],
-                                     "sample_steps_per_sec": [100.0, 80.0, 20.0],
-                                     "max_batch_tokens": 64})
-    t2 = AdditiveCostTable.from_dict({"bias_seconds": 0.01, "bs_probes": [1, 16],
-                                      "alpha_seconds": [0.0, 0.002], "m_probes": [1, 64],
-                                      "theta_seconds": [0.0, 0.05]})
+    t1 = StepsPerSecTable.from_dict(
+        {
+            "sample_batch_tokens": [1, 8, 64],
+            "sample_steps_per_sec": [100.0, 80.0, 20.0],
+            "max_batch_tokens": 64,
+        }
+    )
+    t2 = AdditiveCostTable.from_dict(
+        {
+            "bias_seconds": 0.01,
+            "bs_probes": [1, 16],
+            "alpha_seconds": [0.0, 0.002],
+            "m_probes": [1, 64],
+            "theta_seconds": [0.0, 0.05],
+        }
+    )
     for table, cls in ((t1, one_d), (t2, additive)):
         path = tmp_path / f"{cls.__name__}.json"
         table.save(path)
         back = msgspec.json.decode(path.read_bytes(), type=cls)
-        assert msgspec.structs.asdict(back) == {k: v for k, v in table.to_dict().items()
-                                                if k in cls.__struct_fields__}
+        assert msgspec.structs.asdict(back) == {
+            k: v for k, v in table.to_dict().items() if k in cls.__struct_fields__
+        }
         assert CostTable.load(path).to_dict() == table.to_dict()
         # SGLang tells the shapes apart by the key "bias_seconds"
         assert ('"bias_seconds"' in path.read_text()) == (cls is additive)
@@ -219,9 +349,16 @@ def test_sps_tables_decode_under_the_wheel_rules(classes, tmp_path):
 
 def test_sps_profiler_records_are_ingested(tmp_path):
     lines = [
-        {"repeat": 0, "batch_size": 4, "batch_size_per_rank": 4, "dp_rank": 0,
-         "forward_ct": 10 + i, "num_running_reqs": 4, "num_verify_tokens": 4 + i,
-         "step_time": 0.012 + i / 1000}
+        {
+            "repeat": 0,
+            "batch_size": 4,
+            "batch_size_per_rank": 4,
+            "dp_rank": 0,
+            "forward_ct": 10 + i,
+            "num_running_reqs": 4,
+            "num_verify_tokens": 4 + i,
+            "step_time": 0.012 + i / 1000,
+        }
         for i in range(3)
     ]
     text = "\n".join(json.dumps(x) for x in lines)
@@ -249,19 +386,42 @@ def test_saved_cap_accept_dump_gets_its_runs_row_and_full_calibration(tmp_path):
         window = int(rng.integers(1, 7))
         kept = min(correct, window - 1)
         conf = np.round(rng.uniform(0.2, 0.95, 5), 4)
-        records.append({"forward_ct": fct, "bs": 1, "mode": "cap-accept", "reqs": [{
-            "req_pool_index": 0, "prefix_len": 10 + fct, "verify_len": window,
-            "acc_len": kept + 1, "correct_drafts": kept, "cap_trim": correct - kept,
-            "bonus_token": 3, "draft_tokens": [1, 2, 3, 4, 5], "rid": "r0",
-            "confidence": conf.tolist(), "survival": np.round(np.cumprod(conf), 4).tolist()}]})
-    dump = {"mode": "cap-accept", "gamma": 5, "verify_num_draft_tokens": 6,
-            "components": ["core", "reqs"], "records": records}
+        records.append(
+            {
+                "forward_ct": fct,
+                "bs": 1,
+                "mode": "cap-accept",
+                "reqs": [
+                    {
+                        "req_pool_index": 0,
+                        "prefix_len": 10 + fct,
+                        "verify_len": window,
+                        "acc_len": kept + 1,
+                        "correct_drafts": kept,
+                        "cap_trim": correct - kept,
+                        "bonus_token": 3,
+                        "draft_tokens": [1, 2, 3, 4, 5],
+                        "rid": "r0",
+                        "confidence": conf.tolist(),
+                        "survival": np.round(np.cumprod(conf), 4).tolist(),
+                    }
+                ],
+            }
+        )
+    dump = {
+        "mode": "cap-accept",
+        "gamma": 5,
+        "verify_num_draft_tokens": 6,
+        "components": ["core", "reqs"],
+        "records": records,
+    }
     store = Store(tmp_path / "store")
     res = ingest_dump(dump, "dump-1", FanOut([store]), model="m", drafter="d")
     assert (res.steps, res.req_steps, res.rejected) == (40, 40, 0)
     runs = store.query("FROM runs").to_pylist()
     assert [(r["mode"], r["gamma"], r["source"], r["model"]) for r in runs] == [
-        ("cap-accept", 5, "sglang", "m")]
+        ("cap-accept", 5, "sglang", "m")
+    ]
     rows = store.query("FROM req_steps").to_pandas()
     full = position_labels(rows, store.query("FROM runs").to_pandas())
     as_compact = position_labels(rows, {"dump-1": "compact"})
@@ -275,25 +435,63 @@ def test_cli_ingest_dump_with_profiler_records(tmp_path):
     from dspark_obs.cli import app
     from dspark_obs.store import Store
 
-    dump = {"mode": "compact", "gamma": 5, "verify_num_draft_tokens": 6,
-            "components": ["core", "step_cpu_time"],
-            "records": [{"forward_ct": i, "bs": 2, "mode": "compact", "step_cpu_ms": 5.0 + i}
-                        for i in range(4)]}
-    (tmp_path / "dump.json").write_text(json.dumps(
-        {"model_path": "m", "internal_states": [{"dspark_info_record": dump}, {}]}))
-    (tmp_path / "t.records.jsonl").write_text(json.dumps(
-        {"dp_rank": 0, "forward_ct": 1, "num_running_reqs": 2, "num_verify_tokens": 9,
-         "step_time": 0.01}) + "\n")
-    res = CliRunner().invoke(app, ["ingest-dump", str(tmp_path / "dump.json"), "--run-id", "d",
-                                   "--store", str(tmp_path / "s"), "--sps-records",
-                                   str(tmp_path / "t.records.jsonl")])
+    dump = {
+        "mode": "compact",
+        "gamma": 5,
+        "verify_num_draft_tokens": 6,
+        "components": ["core", "step_cpu_time"],
+        "records": [
+            {"forward_ct": i, "bs": 2, "mode": "compact", "step_cpu_ms": 5.0 + i} for i in range(4)
+        ],
+    }
+    (tmp_path / "dump.json").write_text(
+        json.dumps({"model_path": "m", "internal_states": [{"dspark_info_record": dump}, {}]})
+    )
+    (tmp_path / "t.records.jsonl").write_text(
+        json.dumps(
+            {
+                "dp_rank": 0,
+                "forward_ct": 1,
+                "num_running_reqs": 2,
+                "num_verify_tokens": 9,
+                "step_time": 0.01,
+            }
+        )
+        + "\n"
+    )
+    res = CliRunner().invoke(
+        app,
+        [
+            "ingest-dump",
+            str(tmp_path / "dump.json"),
+            "--run-id",
+            "d",
+            "--store",
+            str(tmp_path / "s"),
+            "--sps-records",
+            str(tmp_path / "t.records.jsonl"),
+        ],
+    )
     assert res.exit_code == 0, res.output
-    assert "d: 4 steps, 0 request-steps, 0 rejected" in res.output
+    assert (
+        "d: 4 steps and 0 request-steps newly stored, 0 steps already stored, 0 rejected"
+        in res.output
+    )
     st = Store(tmp_path / "s")
     assert st.query("SELECT run_id, mode, dp_size FROM runs ORDER BY run_id").to_pylist() == [
         {"run_id": "d", "mode": "compact", "dp_size": 2},
-        {"run_id": "d-sps", "mode": "static", "dp_size": 2}]
+        {"run_id": "d-sps", "mode": "static", "dp_size": 2},
+    ]
     (tmp_path / "bad.json").write_text('{"internal_states": [{"dspark_info_record": {"reco')
-    res = CliRunner().invoke(app, ["ingest-dump", str(tmp_path / "bad.json"), "--run-id", "x",
-                                   "--store", str(tmp_path / "s")])
+    res = CliRunner().invoke(
+        app,
+        [
+            "ingest-dump",
+            str(tmp_path / "bad.json"),
+            "--run-id",
+            "x",
+            "--store",
+            str(tmp_path / "s"),
+        ],
+    )
     assert res.exit_code == 1 and "bad.json" in res.output and "Traceback" not in res.output

@@ -209,7 +209,7 @@ def test_cli_drive_then_collect(server, tmp_path):
     assert len(rows) == 3 and all(r["v"] == r["n"] > 0 and r["w"] == "custom" for r in rows)
     res = runner.invoke(app, ["collect", "--url", "http://127.0.0.1:9", "--store", str(store),
                               "--duration", "0.2"])
-    assert res.exit_code == 0 and "poll failed" in res.output
+    assert res.exit_code == 1 and "poll failed" in res.output  # issue 18: nothing collected
 
 
 def test_shipped_launch_profiles_are_what_server_profiles_builds():

@@ -87,7 +87,9 @@ def run():
 
 
 def samples(prom: PrometheusSink) -> list:
-    """One scrape's samples (what the registry renders at /metrics)."""
+    """One scrape's samples (what the registry renders at /metrics), with every series past
+    its birth: a series new to the exporter reads 0 on its first scrape (tested below)."""
+    list(prom.registry.collect())
     return [s for fam in prom.registry.collect() for s in fam.samples]
 
 
@@ -138,7 +140,7 @@ def test_ece_per_position_from_bin_counters_equals_the_analytics(run) -> None:
         pos, err, n = str(row.position), 0.0, 0.0
         for b in range(15):
             kw = {"mode": "compact", "position": pos, "bin": str(b)}
-            p = value(scraped, "dspark_calibration_predicted_sum_total", **kw)
+            p = value(scraped, "dspark_calibration_predicted_probability_total", **kw)
             y = value(scraped, "dspark_calibration_accepted_total", **kw)
             err += abs(p - y)
             n += value(scraped, "dspark_calibration_observations_total", **kw)
@@ -152,8 +154,8 @@ def test_window_utilization_estimator_and_token_counters(run) -> None:
     ws = window_stats(rs[rs.run_id == "t"], by=("workload",))
     for r in ws.itertuples():
         kw = {"mode": "compact", "workload": r.workload}
-        mean = value(prom, "dspark_verify_window_sum", **kw) / value(
-            prom, "dspark_verify_window_count", **kw
+        mean = value(prom, "dspark_verify_window_tokens_sum", **kw) / value(
+            prom, "dspark_verify_window_tokens_count", **kw
         )
         assert mean == pytest.approx(r.mean_window, rel=1e-12)
     cap = step_ceilings(rs[rs.run_id == "t-cap"])
@@ -163,7 +165,7 @@ def test_window_utilization_estimator_and_token_counters(run) -> None:
     assert value(prom, "dspark_committed_tokens_total", mode="compact") == (
         rs[rs.run_id == "t"].acc_len.sum()
     )
-    assert value(prom, "dspark_ceiling_per_step_count") == len(cap)
+    assert value(prom, "dspark_ceiling_per_step_tokens_count") == len(cap)
     # estimator: finished per request, sums equal one pass over the whole run
     compact = rs[rs.run_id == "t"]
     blocks = estimate_blocks(
@@ -184,19 +186,20 @@ def test_histograms_latency_and_vllm_family(run) -> None:
     compact = rs[rs.run_id == "t"]
     # verify window buckets are cumulative integers 1..gamma+1 (+Inf)
     for le in (1, 3, 6):
-        got = value(prom, "dspark_verify_window_bucket", mode="compact", le=str(le))
+        got = value(prom, "dspark_verify_window_tokens_bucket", mode="compact", le=str(le))
         assert got == (compact.verify_len <= le).sum()
     assert value(prom, "dspark_time_to_first_token_seconds_count") == len(req)
     ttft = (req.first_token_time - req.arrival_time).sum()
     assert value(prom, "dspark_time_to_first_token_seconds_sum") == pytest.approx(ttft)
     tpot = req[req.completion_tokens > 1]
     assert value(prom, "dspark_time_per_output_token_seconds_count") == len(tpot)
-    assert value(prom, "dspark_request_accept_length_count") == len(req)
-    # vLLM-compatible: per position 0-based, accepted drafts (bonus excluded)
-    for j in range(5):
+    assert value(prom, "dspark_request_accept_length_tokens_count") == len(req)
+    # vLLM-compatible family, position 1-based like every dspark metric: drafts 1..j accepted
+    for j in range(1, 6):
         got = value(prom, "dspark_spec_decode_num_accepted_tokens_per_pos_total",
                     mode="compact", position=str(j))  # fmt: skip
-        assert got == (compact.correct_drafts > j).sum()
+        assert got == (compact.correct_drafts >= j).sum()
+    assert value(prom, "dspark_spec_decode_num_accepted_tokens_per_pos_total", position="0") == 0
     assert value(prom, "dspark_spec_decode_num_drafts_total", mode="compact") == len(compact)
     steps = mem.table("steps").to_pandas()
     assert value(prom, "dspark_steps_total", mode="compact") == (steps.run_id == "t").sum()
@@ -302,12 +305,14 @@ def test_in_process_sinks_serve_metrics_and_healthz() -> None:
         fan.emit("req_steps", [_req_row(verify_len=2, correct_drafts=1)])
         url = prom.server.url
         assert prom.server.host == "127.0.0.1"
-        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
-            text = r.read().decode()
-        assert (
-            'dspark_req_steps_total{dp_rank="0",mode="compact",model="m",workload="math"} 1.0'
-            in (text)
-        )
+        series = 'dspark_req_steps_total{dp_rank="0",mode="compact",model="m",workload="math"}'
+        texts = []
+        for _ in range(2):
+            with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+                texts.append(r.read().decode())
+        # born at 0 on the first scrape, its value from the next one on
+        assert f"{series} 0.0" in texts[0]
+        assert f"{series} 1.0" in texts[1]
         with urllib.request.urlopen(f"{url}/healthz", timeout=5) as r:
             assert json.loads(r.read())["status"] == "ok"
         with pytest.raises(urllib.error.HTTPError):
@@ -315,3 +320,83 @@ def test_in_process_sinks_serve_metrics_and_healthz() -> None:
     finally:
         prom.close()
         prom.server.close()
+
+
+def _scrape(prom: PrometheusSink) -> dict[tuple, float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in prom.registry.collect()
+        for s in fam.samples
+        if s.name.startswith("dspark_")
+    }
+
+
+def test_every_series_is_born_at_zero_so_increase_counts_its_first_increment() -> None:
+    prom = PrometheusSink(registry=CollectorRegistry(), background=False)
+    fan = FanOut([prom])
+    fan.emit("runs", [_runs_row("u", "compact")])
+    fan.emit("req_steps", [_req_row(verify_len=2, correct_drafts=1)])
+    first, second = _scrape(prom), _scrape(prom)
+    assert first.keys() == second.keys() and len(first) > 20
+    assert set(first.values()) == {0.0}  # counters, buckets, sums and counts: all at 0
+    key = ("dspark_req_steps_total", (("dp_rank", "0"), ("mode", "compact"), ("model", "m"),
+                                      ("workload", "math")))  # fmt: skip
+    assert second[key] == 1.0
+    # a later increment of a known series shows at once; a new label set is born at 0 again
+    fan.emit("req_steps", [_req_row(forward_ct=1, verify_len=2, correct_drafts=1),
+                           _req_row(forward_ct=1, rid="b", workload="chat", verify_len=2,
+                                    correct_drafts=0)])  # fmt: skip
+    third = _scrape(prom)
+    assert third[key] == 2.0
+    chat = ("dspark_req_steps_total", (("dp_rank", "0"), ("mode", "compact"), ("model", "m"),
+                                       ("workload", "chat")))  # fmt: skip
+    assert third[chat] == 0.0 and _scrape(prom)[chat] == 1.0
+
+
+def test_adopted_series_resume_with_their_value() -> None:
+    """serve rebuilds its totals from the store after a restart: those continue (no reset)."""
+    prom = PrometheusSink(registry=CollectorRegistry(), background=False)
+    fan = FanOut([prom])
+    fan.emit("runs", [_runs_row("u", "compact")])
+    fan.emit("req_steps", [_req_row(verify_len=2, correct_drafts=1)])
+    prom.adopt_current()
+    assert value(_scrape_list(prom), "dspark_req_steps_total") == 1.0
+
+
+def _scrape_list(prom: PrometheusSink) -> list:
+    return [s for fam in prom.registry.collect() for s in fam.samples]
+
+
+def test_metric_names_follow_prometheus_naming() -> None:
+    """Units as suffixes (token histograms _tokens, time _seconds), no _sum / _count /
+    _bucket inside a name, counters end in _total; renamed names are gone."""
+    from dspark_obs.sinks.catalog import RENAMED
+
+    names = {m.name for m in METRICS}
+    for m in METRICS:
+        base = m.name.removesuffix("_total")
+        assert not any(part in base for part in ("_sum", "_count", "_bucket")), m.name
+        if m.kind == "counter":
+            assert m.name.endswith("_total"), m.name
+        else:
+            unit = {"tokens": "_tokens", "seconds": "_seconds"}[m.unit]
+            assert m.name.endswith(unit), m.name
+    assert not set(RENAMED) & names and set(RENAMED.values()) <= names
+
+
+def test_latency_buckets_cover_an_h200_and_the_cpu_engine() -> None:
+    """TPOT of ~2 ms (H200) and TTFT of ~60 s (embedded CPU engine) fall inside finite buckets
+    with neighbours on both sides: a p99 is never pinned at the last finite edge."""
+    from dspark_obs.sinks.catalog import (
+        GENAI_DURATION_BUCKETS,
+        GENAI_TPOT_BUCKETS,
+        GENAI_TTFT_BUCKETS,
+    )
+
+    for edges, fast, slow in (
+        (GENAI_TTFT_BUCKETS, 0.004, 60.0),
+        (GENAI_TPOT_BUCKETS, 0.002, 8.0),
+        (GENAI_DURATION_BUCKETS, 0.05, 300.0),
+    ):
+        assert list(edges) == sorted(edges)
+        assert edges[0] < fast and edges[-1] > 2 * slow, edges

@@ -114,7 +114,8 @@ def test_store_info(app: typer.Typer, root: Path) -> None:
     assert code == 0
     info = json.loads(out)
     assert info["tables"]["req_steps"] == {
-        "rows": 288, "segments": 6, "bytes": info["tables"]["req_steps"]["bytes"]
+        "rows": 288, "segments": 6, "bytes": info["tables"]["req_steps"]["bytes"],
+        "skipped_files": 0,
     }
     assert [r["run_id"] for r in info["runs"]] == ["other", RUN]
     code, out, _ = run(app, "store-info", "--store", str(root))
@@ -137,4 +138,5 @@ def test_store_compact(app: typer.Typer, tmp_path: Path) -> None:
     code, out, _ = run(app, "store-compact", "--store", str(root))
     assert code == 0 and f"req_steps {RUN}: 192 rows, 4 segments -> 1" in out
     info = Store(root).info()["tables"]
-    assert info["req_steps"] == {"rows": 192, "segments": 1, "bytes": info["req_steps"]["bytes"]}
+    assert info["req_steps"] == {"rows": 192, "segments": 1, "skipped_files": 0,
+                                 "bytes": info["req_steps"]["bytes"]}

@@ -9,7 +9,11 @@ Conventions every query follows:
 * ratios are computed in PromQL from counters, and every denominator is guarded with
   ``> 0``: with no traffic a panel shows "no data", never NaN or +Inf;
 * ``$model``, ``$mode`` and ``$workload`` are regex variables (All = ``.*``);
-* ECE uses ``$__range``, so it is the calibration over the dashboard's time range.
+* the ceiling, acceptance, window, ECE and step-time panels read the monitoring mixin's
+  recorded series (runtime/prometheus/rules/dspark-recording.yml), split by mode and
+  workload: a compact run and its cap-accept companion are never summed;
+* a compact run's utilization is the estimator's (labelled estimated, with its interval);
+  measured utilization exists only where the whole block was verified.
 
 Built with grafana-foundation-sdk (pinned in pyproject.toml). Its classic ``Dashboard``
 builder (and the v2beta1 model that every panel builder imports) emits a DeprecationWarning
@@ -27,6 +31,8 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 with warnings.catch_warnings():  # see the module docstring: the one warning, at import
     warnings.filterwarnings("ignore", "Prefer using dashboardv2", DeprecationWarning)
@@ -47,6 +53,26 @@ SEL = 'model=~"$model", mode=~"$mode", workload=~"$workload"'
 SEL_NO_MODE = 'model=~"$model", workload=~"$workload"'
 STEP_SEL = 'model=~"$model", mode=~"$mode"'
 RATE = "$__rate_interval"
+
+
+RULES_FILE = HERE.parents[1] / "runtime" / "prometheus" / "rules" / "dspark-recording.yml"
+RECORDED_NAME = r"\b([a-z_]+:dspark_[a-z0-9_]+:[a-z0-9_]+)\b"
+
+
+def _recording_rules() -> dict[str, str]:
+    """record name -> expression, from the monitoring mixin the panels read."""
+    groups = yaml.safe_load(RULES_FILE.read_text())["groups"]
+    return {r["record"]: r["expr"] for g in groups for r in g["rules"] if "record" in r}
+
+
+RECORDING_RULES = _recording_rules()
+
+
+def _recorded(name: str, sel: str = SEL) -> str:
+    """A recorded series of the mixin, filtered by the dashboard's variables."""
+    if name not in RECORDING_RULES:
+        raise KeyError(f"{name} is not recorded by {RULES_FILE.name}")
+    return f"{name}{{{sel}}}"
 
 
 def _rate(metric: str, by: str, sel: str = SEL, window: str = RATE, fn: str = "rate") -> str:
@@ -86,28 +112,333 @@ class PanelSpec:
     max: float | None = None
 
     @property
+    def recorded(self) -> list[str]:
+        """The mixin's recorded series its queries read."""
+        return sorted({n for q in self.queries for n in re.findall(RECORDED_NAME, q.expr)})
+
+    @property
     def metrics(self) -> list[str]:
-        """The catalog metrics its queries read (series suffixes stripped)."""
+        """The catalog metrics its queries read, directly or through recorded series (series
+        suffixes stripped)."""
+        exprs = [q.expr for q in self.queries]
+        exprs += [RECORDING_RULES[n] for n in self.recorded]
+        exprs += [RECORDING_RULES[m] for e in list(exprs) for m in re.findall(RECORDED_NAME, e)]
         names = set()
-        for q in self.queries:
-            for name in re.findall(r"\b(dspark_[a-z0-9_]+)(?=[{\[])", q.expr):
+        for expr in exprs:
+            for name in re.findall(r"(?<![\w:])(dspark_[a-z0-9_]+)(?=[{\[])", expr):
                 names.add(re.sub(r"_(bucket|sum|count)$", "", name))
         return sorted(names)
 
     @property
     def description(self) -> str:
-        return f"{self.why} Metrics: {', '.join(self.metrics)}."
+        via = (
+            f" Recorded series (runtime/prometheus/rules): {', '.join(self.recorded)}."
+            if (self.recorded)
+            else ""
+        )
+        return f"{self.why}{via} Metrics: {', '.join(self.metrics)}."
 
 
-ECE_EXPR = (
-    "sum by (position) (abs(\n"
-    f"    {_rate('dspark_calibration_predicted_sum_total', 'position, bin', window='$__range', fn='increase')}\n"  # noqa: E501
-    f"  - {_rate('dspark_calibration_accepted_total', 'position, bin', window='$__range', fn='increase')}\n"  # noqa: E501
-    "))\n"
-    f"  / ({_rate('dspark_calibration_observations_total', 'position', window='$__range', fn='increase')} > 0)"  # noqa: E501
-)
+U = "model_mode_workload"  # the level of the mixin's per-workload recorded series
+UP = "model_mode_workload_position"
 
 PANELS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
+    (
+        "Acceptance ceiling",
+        (
+            PanelSpec(
+                "Utilization: measured (cap-accept) and estimated (compact)",
+                "timeseries",
+                "committed / ceiling. Measured where the whole block was verified (cap-accept "
+                "companions, static runs); a compact run's ceiling is hidden, so its "
+                "utilization is the block-accept estimator's point with its interval "
+                "(committed / hi .. committed / lo), labelled estimated. Mode = All shows "
+                "each mode as its own series (never summed).",
+                (
+                    Query(
+                        _recorded(f"{U}:dspark_utilization:ratio_rate5m"),
+                        "measured {{mode}} {{workload}}",
+                    ),
+                    Query(
+                        _recorded(f"{U}:dspark_utilization_estimated:ratio_rate5m"),
+                        "estimated {{mode}} {{workload}}",
+                    ),
+                    Query(
+                        _recorded(f"{U}:dspark_utilization_estimated_lo:ratio_rate5m"),
+                        "estimated lo {{mode}} {{workload}}",
+                    ),
+                    Query(
+                        _recorded(f"{U}:dspark_utilization_estimated_hi:ratio_rate5m"),
+                        "estimated hi {{mode}} {{workload}}",
+                    ),
+                ),  # fmt: skip
+                unit="percentunit",
+                min=0,
+                max=1,
+            ),
+            PanelSpec(
+                "Ceiling gap (share of the ceiling left on the table)",
+                "timeseries",
+                "1 - utilization over 5m: measured by cap-accept, estimated for compact (the "
+                "series the DSparkCeilingGapEstimatedHigh alert watches).",
+                (
+                    Query(
+                        _recorded(f"{U}:dspark_ceiling_gap:ratio_rate5m"),
+                        "measured {{mode}} {{workload}}",
+                    ),
+                    Query(
+                        _recorded(f"{U}:dspark_ceiling_gap_estimated:ratio_rate5m"),
+                        "estimated {{mode}} {{workload}}",
+                    ),
+                ),  # fmt: skip
+                unit="percentunit",
+                min=0,
+            ),
+            PanelSpec(
+                "Ceiling vs committed per step",
+                "timeseries",
+                "Mean ceiling (acc_len + cap_trim) and mean committed per request-step, exact "
+                "steps only (cap-accept and static).",
+                (
+                    Query(
+                        _ratio(
+                            "dspark_ceiling_tokens_total",
+                            "dspark_ceiling_steps_total",
+                            "mode, workload",
+                        ),
+                        "ceiling {{mode}} {{workload}}",
+                    ),
+                    Query(
+                        _ratio(
+                            "dspark_ceiling_committed_tokens_total",
+                            "dspark_ceiling_steps_total",
+                            "mode, workload",
+                        ),
+                        "committed {{mode}} {{workload}}",
+                    ),
+                ),
+                unit="short",
+                min=0,
+                width=8,
+            ),
+            PanelSpec(
+                "Tokens left on the table /s",
+                "timeseries",
+                "Tokens trimming left behind per second (cap_trim, measured by cap-accept).",
+                (
+                    Query(
+                        _rate("dspark_cap_trim_tokens_total", "mode, workload"),
+                        "{{mode}} {{workload}}",
+                    ),
+                ),
+                unit="short",
+                min=0,
+                width=8,
+            ),
+            PanelSpec(
+                "Estimator vs companion truth",
+                "timeseries",
+                "Block-accept estimate of the mean ceiling from compact runs alone "
+                "(SGLang's bracket lo / hi and the point estimate), beside the exact mean "
+                "ceiling the cap-accept companion measured.",
+                (
+                    Query(
+                        _ratio(
+                            "dspark_estimator_lo_tokens_total",
+                            "dspark_estimator_blocks_total",
+                            "workload",
+                            sel=f'{SEL_NO_MODE}, mode="compact"',
+                        ),
+                        "estimated lo {{workload}}",
+                    ),
+                    Query(
+                        _ratio(
+                            "dspark_estimator_point_tokens_total",
+                            "dspark_estimator_blocks_total",
+                            "workload",
+                            sel=f'{SEL_NO_MODE}, mode="compact"',
+                        ),
+                        "estimated point {{workload}}",
+                    ),
+                    Query(
+                        _ratio(
+                            "dspark_estimator_hi_tokens_total",
+                            "dspark_estimator_blocks_total",
+                            "workload",
+                            sel=f'{SEL_NO_MODE}, mode="compact"',
+                        ),
+                        "estimated hi {{workload}}",
+                    ),
+                    Query(
+                        _ratio(
+                            "dspark_ceiling_tokens_total",
+                            "dspark_ceiling_steps_total",
+                            "workload",
+                            sel=f'{SEL_NO_MODE}, mode="cap-accept"',
+                        ),
+                        "measured {{workload}}",
+                    ),
+                ),
+                unit="short",
+                width=8,
+            ),
+        ),
+    ),
+    (
+        "Acceptance and windows",
+        (
+            PanelSpec(
+                "Acceptance per position",
+                "timeseries",
+                "P(drafts 1..j accepted) over observed positions only (a position trimmed "
+                "away by compact is never counted as a rejection), per mode and workload: "
+                "compact and its cap-accept companion serve the same requests, so their "
+                "counts are never added up.",
+                (
+                    Query(
+                        _recorded(f"{UP}:dspark_position_acceptance:ratio_rate5m"),
+                        "{{mode}} {{workload}} j={{position}}",
+                    ),
+                ),
+                unit="percentunit",
+                min=0,
+                max=1,
+            ),
+            PanelSpec(
+                "Verify-window distribution",
+                "heatmap",
+                "How many request-steps verified each window size verify_len (1..gamma+1, "
+                "anchor included) per interval: the scheduler's window choice over time.",
+                (
+                    Query(
+                        f"sum by (le) (increase(dspark_verify_window_tokens_bucket{{{SEL}}}"
+                        f"[{RATE}]))",
+                        "{{le}}",
+                        heatmap=True,
+                    ),
+                ),
+            ),
+            PanelSpec(
+                "Mean window and budget",
+                "timeseries",
+                "Mean verify window per mode and workload (5m), and the scheduler's mean "
+                "extra-token budget per step.",
+                (
+                    Query(
+                        _recorded(f"{U}:dspark_verify_window_tokens:mean_rate5m"),
+                        "window {{mode}} {{workload}}",
+                    ),
+                    Query(
+                        _ratio(
+                            "dspark_step_budget_tokens_total",
+                            "dspark_steps_total",
+                            "mode",
+                            sel=STEP_SEL,
+                        ),
+                        "budget {{mode}}",
+                    ),
+                ),
+                unit="short",
+                min=0,
+            ),
+            PanelSpec(
+                "Mean batch size",
+                "timeseries",
+                "Running requests per decode step.",
+                (
+                    Query(
+                        _ratio(
+                            "dspark_step_requests_total", "dspark_steps_total", "mode", sel=STEP_SEL
+                        ),
+                        "{{mode}}",
+                    ),
+                ),
+                unit="short",
+                min=0,
+            ),
+        ),
+    ),
+    (
+        "Calibration and cost model",
+        (
+            PanelSpec(
+                "ECE per position (last 1h)",
+                "bargauge",
+                "Expected calibration error of survival S_j per draft position over the last "
+                "hour, per mode and workload: 15 equal-width bins, sum_b |sum pred - sum "
+                "label| / N, as SGLang's STS fitter computes it.",
+                (
+                    Query(
+                        _recorded(f"{UP}:dspark_calibration_ece:increase1h"),
+                        "{{mode}} {{workload}} j={{position}}",
+                        instant=True,
+                    ),
+                ),
+                unit="short",
+                min=0,
+                max=0.5,
+                width=8,
+            ),
+            PanelSpec(
+                "Predicted vs measured step time",
+                "timeseries",
+                "Mean step time the cost table predicted and the measured mean over the same "
+                "steps, their mean absolute error, and the relative error over 5m (the "
+                "series the DSparkStepTimeDrift alert watches).",
+                (
+                    Query(
+                        _ratio(
+                            "dspark_step_predicted_seconds_total",
+                            "dspark_step_predicted_steps_total",
+                            "mode",
+                            sel=STEP_SEL,
+                        ),
+                        "predicted {{mode}}",
+                    ),
+                    Query(
+                        _ratio(
+                            "dspark_step_measured_seconds_total",
+                            "dspark_step_predicted_steps_total",
+                            "mode",
+                            sel=STEP_SEL,
+                        ),
+                        "measured {{mode}}",
+                    ),
+                    Query(
+                        _ratio(
+                            "dspark_step_prediction_abs_error_seconds_total",
+                            "dspark_step_predicted_steps_total",
+                            "mode",
+                            sel=STEP_SEL,
+                        ),
+                        "abs error {{mode}}",
+                    ),
+                    Query(
+                        _recorded("model_mode:dspark_step_prediction_error:ratio_rate5m", STEP_SEL),
+                        "relative error {{mode}}",
+                    ),  # fmt: skip
+                ),
+                unit="s",
+                min=0,
+                width=8,
+            ),
+            PanelSpec(
+                "Rejected records",
+                "stat",
+                "Rows refused by schema validation over the time range, all tables and reasons "
+                "(0 when none was refused).",
+                (
+                    Query(
+                        "sum(increase(dspark_records_rejected_total[$__range])) or vector(0)",
+                        "rejected",
+                        instant=True,
+                    ),
+                ),
+                unit="short",
+                width=8,
+            ),
+        ),
+    ),
     (
         "Throughput and latency",
         (
@@ -157,300 +488,39 @@ PANELS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 width=8,
             ),
             PanelSpec(
-                "TTFT p50 / p95",
+                "TTFT p50 / p95 (Prometheus histogram quantiles)",
                 "timeseries",
-                "Time to first token (arrival to first token), quantiles from the GenAI "
-                "bucketed histogram.",
+                "Time to first token (arrival to first token): histogram_quantile over the "
+                "bucketed histogram, so an estimate within its bucket (buckets from 1 ms to "
+                "10 min); the Streamlit pages show exact quantiles from the store.",
                 (
                     Query(
-                        _quantile(0.5, "dspark_time_to_first_token_seconds", "workload"),
-                        "p50 {{workload}}",
+                        _quantile(0.5, "dspark_time_to_first_token_seconds", "mode, workload"),
+                        "p50 {{mode}} {{workload}}",
                     ),
                     Query(
-                        _quantile(0.95, "dspark_time_to_first_token_seconds", "workload"),
-                        "p95 {{workload}}",
+                        _quantile(0.95, "dspark_time_to_first_token_seconds", "mode, workload"),
+                        "p95 {{mode}} {{workload}}",
                     ),
                 ),
                 unit="s",
             ),
             PanelSpec(
-                "TPOT p50 / p95",
+                "TPOT p50 / p95 (Prometheus histogram quantiles)",
                 "timeseries",
-                "Time per output token, first token excluded (SGLang bench_serving's TPOT).",
+                "Time per output token, first token excluded (SGLang bench_serving's TPOT): "
+                "histogram_quantile over buckets from 1 ms to 30 s.",
                 (
                     Query(
-                        _quantile(0.5, "dspark_time_per_output_token_seconds", "workload"),
-                        "p50 {{workload}}",
+                        _quantile(0.5, "dspark_time_per_output_token_seconds", "mode, workload"),
+                        "p50 {{mode}} {{workload}}",
                     ),
                     Query(
-                        _quantile(0.95, "dspark_time_per_output_token_seconds", "workload"),
-                        "p95 {{workload}}",
+                        _quantile(0.95, "dspark_time_per_output_token_seconds", "mode, workload"),
+                        "p95 {{mode}} {{workload}}",
                     ),
                 ),
                 unit="s",
-            ),
-        ),
-    ),
-    (
-        "Acceptance and windows",
-        (
-            PanelSpec(
-                "Acceptance per position",
-                "timeseries",
-                "P(drafts 1..j accepted) over observed positions only: a position trimmed "
-                "away by compact is never counted as a rejection.",
-                (
-                    Query(
-                        _ratio(
-                            "dspark_position_accepted_total",
-                            "dspark_position_observed_total",
-                            "position",
-                        ),
-                        "j={{position}}",
-                    ),
-                ),
-                unit="percentunit",
-                min=0,
-                max=1,
-            ),
-            PanelSpec(
-                "Verify-window distribution",
-                "heatmap",
-                "How many request-steps verified each window size verify_len (1..gamma+1, "
-                "anchor included) per interval: the scheduler's window choice over time.",
-                (
-                    Query(
-                        f"sum by (le) (increase(dspark_verify_window_bucket{{{SEL}}}[{RATE}]))",
-                        "{{le}}",
-                        heatmap=True,
-                    ),
-                ),
-            ),
-            PanelSpec(
-                "Mean window and budget",
-                "timeseries",
-                "Mean verify window per workload, and the scheduler's mean extra-token budget "
-                "per step.",
-                (
-                    Query(
-                        _ratio(
-                            "dspark_verify_window_sum", "dspark_verify_window_count", "workload"
-                        ),
-                        "window {{workload}}",
-                    ),
-                    Query(
-                        _ratio(
-                            "dspark_step_budget_tokens_total",
-                            "dspark_steps_total",
-                            "mode",
-                            sel=STEP_SEL,
-                        ),
-                        "budget {{mode}}",
-                    ),
-                ),
-                unit="short",
-                min=0,
-            ),
-            PanelSpec(
-                "Mean batch size",
-                "timeseries",
-                "Running requests per decode step.",
-                (
-                    Query(
-                        _ratio(
-                            "dspark_step_requests_total", "dspark_steps_total", "mode", sel=STEP_SEL
-                        ),
-                        "{{mode}}",
-                    ),
-                ),
-                unit="short",
-                min=0,
-            ),
-        ),
-    ),
-    (
-        "Acceptance ceiling",
-        (
-            PanelSpec(
-                "Utilization (committed / ceiling)",
-                "timeseries",
-                "Share of the full-block ceiling that was committed, on steps with an exact "
-                "ceiling (cap-accept companions and static runs).",
-                (
-                    Query(
-                        _ratio(
-                            "dspark_ceiling_committed_tokens_total",
-                            "dspark_ceiling_tokens_total",
-                            "workload",
-                            sel=SEL_NO_MODE,
-                        ),
-                        "{{workload}}",
-                    ),
-                ),
-                unit="percentunit",
-                min=0,
-                max=1,
-                width=8,
-            ),
-            PanelSpec(
-                "Ceiling vs committed per step",
-                "timeseries",
-                "Mean ceiling (acc_len + cap_trim) and mean committed per request-step, exact "
-                "steps only.",
-                (
-                    Query(
-                        _ratio(
-                            "dspark_ceiling_tokens_total",
-                            "dspark_ceiling_steps_total",
-                            "workload",
-                            sel=SEL_NO_MODE,
-                        ),
-                        "ceiling {{workload}}",
-                    ),
-                    Query(
-                        _ratio(
-                            "dspark_ceiling_committed_tokens_total",
-                            "dspark_ceiling_steps_total",
-                            "workload",
-                            sel=SEL_NO_MODE,
-                        ),
-                        "committed {{workload}}",
-                    ),
-                ),
-                unit="short",
-                min=0,
-                width=8,
-            ),
-            PanelSpec(
-                "Tokens left on the table /s",
-                "timeseries",
-                "Tokens trimming left behind per second (cap_trim measured by cap-accept).",
-                (
-                    Query(
-                        _rate("dspark_cap_trim_tokens_total", "workload", sel=SEL_NO_MODE),
-                        "{{workload}}",
-                    ),
-                ),
-                unit="short",
-                min=0,
-                width=8,
-            ),
-            PanelSpec(
-                "Estimator vs companion truth",
-                "timeseries",
-                "Block-accept estimate of the mean ceiling from compact runs alone "
-                "(SGLang's bracket lo / hi and the point estimate), beside the exact mean "
-                "ceiling the cap-accept companion measured.",
-                (
-                    Query(
-                        _ratio(
-                            "dspark_estimator_lo_tokens_total",
-                            "dspark_estimator_blocks_total",
-                            "workload",
-                            sel=SEL_NO_MODE,
-                        ),
-                        "lo {{workload}}",
-                    ),
-                    Query(
-                        _ratio(
-                            "dspark_estimator_point_tokens_total",
-                            "dspark_estimator_blocks_total",
-                            "workload",
-                            sel=SEL_NO_MODE,
-                        ),
-                        "point {{workload}}",
-                    ),
-                    Query(
-                        _ratio(
-                            "dspark_estimator_hi_tokens_total",
-                            "dspark_estimator_blocks_total",
-                            "workload",
-                            sel=SEL_NO_MODE,
-                        ),
-                        "hi {{workload}}",
-                    ),
-                    Query(
-                        _ratio(
-                            "dspark_ceiling_tokens_total",
-                            "dspark_ceiling_steps_total",
-                            "workload",
-                            sel=f'{SEL_NO_MODE}, mode="cap-accept"',
-                        ),
-                        "truth {{workload}}",
-                    ),
-                ),
-                unit="short",
-                width=24,
-            ),
-        ),
-    ),
-    (
-        "Calibration and cost model",
-        (
-            PanelSpec(
-                "ECE per position (dashboard time range)",
-                "bargauge",
-                "Expected calibration error of survival S_j per draft position over the "
-                "selected time range: 15 equal-width bins, sum_b |sum pred - sum label| / N, "
-                "as SGLang's STS fitter computes it.",
-                (Query(ECE_EXPR, "j={{position}}", instant=True),),
-                unit="short",
-                min=0,
-                max=0.5,
-                width=8,
-            ),
-            PanelSpec(
-                "Predicted vs measured step time",
-                "timeseries",
-                "Mean step time the cost table predicted and the measured mean over the same "
-                "steps, and their mean absolute error.",
-                (
-                    Query(
-                        _ratio(
-                            "dspark_step_predicted_seconds_total",
-                            "dspark_step_predicted_steps_total",
-                            "mode",
-                            sel=STEP_SEL,
-                        ),
-                        "predicted {{mode}}",
-                    ),
-                    Query(
-                        _ratio(
-                            "dspark_step_measured_seconds_total",
-                            "dspark_step_predicted_steps_total",
-                            "mode",
-                            sel=STEP_SEL,
-                        ),
-                        "measured {{mode}}",
-                    ),
-                    Query(
-                        _ratio(
-                            "dspark_step_prediction_abs_error_seconds_total",
-                            "dspark_step_predicted_steps_total",
-                            "mode",
-                            sel=STEP_SEL,
-                        ),
-                        "abs error {{mode}}",
-                    ),
-                ),
-                unit="s",
-                min=0,
-                width=8,
-            ),
-            PanelSpec(
-                "Rejected records",
-                "stat",
-                "Rows refused by schema validation over the time range, all tables and reasons "
-                "(0 when none was refused).",
-                (
-                    Query(
-                        "sum(increase(dspark_records_rejected_total[$__range])) or vector(0)",
-                        "rejected",
-                        instant=True,
-                    ),
-                ),
-                unit="short",
-                width=8,
             ),
         ),
     ),

@@ -8,10 +8,12 @@ query sees every segment acknowledged so far.
 
 Two kinds of functions:
 
-* All-runs aggregates (``run_table``, ``workload_table``, ``window_histogram``, ``latency``,
+* All-runs aggregates (``run_table``, ``workload_table``, ``window_histogram``,
   ``ceiling_by_workload``, ``cost_model``, ``compare_runs``): added up from per-segment
-  partials (rollups.py), so their cost does not grow with the store; per-run views
-  (``window_per_step``, ``budget_per_step``, one request) are SQL on the run's partition.
+  partials (rollups.py), so their cost does not grow with the store; latency quantiles
+  (``latency``, ``exact_latency``) are exact, from the requests table (one row per
+  request); per-run views (``window_per_step``, ``budget_per_step``, one request) are SQL
+  on the run's partition.
 * Analytics (``ceiling_estimate``, ``calibration``): one run's rows go through the project's
   own functions (:mod:`dspark_obs.analytics`) so the maths is the report's, never redone here.
 """
@@ -35,8 +37,10 @@ from dspark_obs.analytics import (
     sts_data_from_req_steps,
     validate_estimator,
 )
+from dspark_obs.analytics.estimator_cells import sampling_kind, validation_cell
 from dspark_obs.analytics.sts import logit as conf_logit
 from dspark_obs.analytics.sts import sigmoid, split_requests
+from dspark_obs.analytics.sts_verdict import StsVerdict
 from dspark_obs.engine.costs import CostTable, CostTableError
 from dspark_obs.store import Store
 
@@ -49,7 +53,10 @@ __all__ = [
     "ceiling_by_workload",
     "bench_runs",
     "ceiling_estimate",
+    "ceiling_source",
     "compare_runs",
+    "exact_latency",
+    "run_ceiling",
     "cost_model",
     "cost_table_of",
     "filter_options",
@@ -64,6 +71,10 @@ __all__ = [
     "workload_table",
 ]
 
+# Modes whose ceiling is measured: the whole block was verified. A compact run's ceiling is
+# hidden: never shown as if measured (it is the estimator's, labelled so, or unknown).
+MEASURED_CEILING_MODES = ("cap-accept", "static")
+HIDDEN_CEILING = "hidden"
 MAX_STEP_BUCKETS = 120  # per-step charts: at most this many columns, whatever the run length
 MAX_SCATTER_POINTS = 4000  # cost-model scatter: a deterministic sample of steps
 
@@ -150,6 +161,13 @@ def _select(frame: pd.DataFrame, f: Filters, runs: pd.DataFrame, workload: bool 
     return frame.loc[keep]
 
 
+def ceiling_source(mode: object) -> str:
+    """How a run's ceiling is known: measured | hidden (compact) | unknown (no runs row)."""
+    if mode in MEASURED_CEILING_MODES:
+        return "measured"
+    return "unknown" if not isinstance(mode, str) else HIDDEN_CEILING
+
+
 def _xor(values: pd.Series) -> int:
     return int(np.bitwise_xor.reduce(values.to_numpy(dtype=np.uint64))) if len(values) else 0
 
@@ -159,14 +177,13 @@ def run_table(store: Store, f: Filters = Filters()) -> pd.DataFrame:
 
     From the per-segment rollups (rollups.py), so its cost does not grow with the store.
     tokens/s = completion tokens / (last finish - first arrival): the run's throughput.
-    TTFT / TPOT quantiles come from log-binned histograms (relative error < 3%).
+    TTFT / TPOT quantiles are exact (DuckDB's quantile_cont over the stored requests).
     companion_status: none | partial (n/m finished) | identical | diverged: the companion has
     finished as many requests and an equal xor of hash(rid, output tokens), or not.
     """
     runs = _runs(store)
     rs = _select(rollups.partials(store, "req_steps"), f, runs)
     rq = _select(rollups.partials(store, "requests"), f, runs)
-    lat = _select(rollups.partials(store, "latency"), f, runs)
     steps = rs.assign(verified=rs["verify_len"] * rs["n"]).groupby("run_id").agg(
         req_steps=("n", "sum"), committed=("committed", "sum"), verified=("verified", "sum"),
         last_record=("last_ts", "max"),
@@ -179,8 +196,9 @@ def run_table(store: Store, f: Filters = Filters()) -> pd.DataFrame:
     reqs["tokens_per_s"] = reqs["tokens"] / (reqs["t1"] - reqs["t0"]).where(lambda d: d > 0)
     all_rq = rollups.partials(store, "requests")
     sig = all_rq.groupby("run_id").agg(n=("n", "sum"), out_hash=("out_hash", _xor))
-    ttft = rollups.latency_quantiles(lat[lat["metric"] == "ttft_s"], ["run_id"], (0.5, 0.95))
-    tpot = rollups.latency_quantiles(lat[lat["metric"] == "tpot_s"], ["run_id"], (0.5,))
+    lat = exact_latency(store, f, ("run_id",), (0.5, 0.95))
+    ttft = lat[lat["metric"] == "ttft_s"]
+    tpot = lat[lat["metric"] == "tpot_s"]
     out = runs.set_index("run_id")
     out = out.join(reqs[["requests", "tokens", "tokens_per_s"]])
     out = out.join(steps[["accept_length", "mean_window", "req_steps", "last_record"]])
@@ -219,7 +237,9 @@ def run_table(store: Store, f: Filters = Filters()) -> pd.DataFrame:
 def workload_table(store: Store, f: Filters = Filters()) -> pd.DataFrame:
     """Per run and workload: req-steps, finished requests, mean window, committed, ceiling,
     tokens, utilization (a ratio of sums) -- the workload_summary view's numbers, from the
-    rollups (its distinct-step count is left out: not additive over segments)."""
+    rollups (its distinct-step count is left out: not additive over segments). The ceiling
+    columns are NaN where it is not measured (compact), as in the view; ceiling_source says
+    why."""
     runs = _runs(store)
     rs = _select(rollups.partials(store, "req_steps"), f, runs)
     rq = _select(rollups.partials(store, "requests"), f, runs)
@@ -230,9 +250,12 @@ def workload_table(store: Store, f: Filters = Filters()) -> pd.DataFrame:
     g = g.join(rq.groupby(["run_id", "workload"])["n"].sum().rename("requests"))
     g["mean_verify_len"] = g["verified"] / g["req_steps"]
     g["mean_acc_len"] = g["committed_tokens"] / g["req_steps"]
+    g = g.reset_index().merge(runs[["run_id", "mode"]], on="run_id", how="left")
+    g["ceiling_source"] = g["mode"].map(ceiling_source)
+    measured = g["ceiling_source"] == "measured"  # as the view: hidden ceilings are NULL
+    g["ceiling_tokens"] = g["ceiling_tokens"].where(measured)
     g["mean_ceiling"] = g["ceiling_tokens"] / g["req_steps"]
     g["utilization"] = g["committed_tokens"] / g["ceiling_tokens"].where(lambda c: c > 0)
-    g = g.reset_index().merge(runs[["run_id", "mode"]], on="run_id", how="left")
     cols = [
         "run_id",
         "workload",
@@ -245,24 +268,52 @@ def workload_table(store: Store, f: Filters = Filters()) -> pd.DataFrame:
         "committed_tokens",
         "ceiling_tokens",
         "utilization",
+        "ceiling_source",
     ]
     return g[cols].sort_values(["run_id", "workload"]).reset_index(drop=True)  # fmt: skip
 
 
+LATENCY_QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
+
+
+def _qname(q: float) -> str:
+    return f"p{round(100 * q):02d}"
+
+
+def exact_latency(
+    store: Store, f: Filters, by: tuple[str, ...], qs: tuple[float, ...] = LATENCY_QUANTILES
+) -> pd.DataFrame:
+    """Exact TTFT / TPOT quantiles per group (long format: by..., metric, n, p05...).
+
+    DuckDB's ``quantile_cont`` over the stored requests (linear interpolation between order
+    statistics: the median of an even count is the mean of the middle two). One row per
+    request, so the scan is small next to req_steps; never a histogram estimate.
+    """
+    cols = ", ".join(by)
+    qlist = ", ".join(repr(float(q)) for q in qs)
+    names = [_qname(q) for q in qs]
+    sql = f"""
+        WITH t AS (
+            SELECT run_id, coalesce(workload, 'unknown') AS workload,
+                   first_token_time - arrival_time AS ttft_s,
+                   CASE WHEN completion_tokens > 1 THEN (finish_time - first_token_time)
+                        / (completion_tokens - 1) END AS tpot_s
+            FROM requests WHERE {f.where()})
+        SELECT {cols}, metric, count(*) AS n, quantile_cont(v, [{qlist}]) AS q
+        FROM t UNPIVOT (v FOR metric IN (ttft_s, tpot_s))
+        WHERE v IS NOT NULL AND isfinite(v) GROUP BY ALL ORDER BY ALL"""
+    out = _df(store, sql)
+    if len(out) == 0:
+        return pd.DataFrame(columns=[*by, "metric", "n", *names])
+    quant = pd.DataFrame(out.pop("q").tolist(), columns=names, index=out.index)
+    return pd.concat([out, quant], axis=1)
+
+
 def latency(store: Store, f: Filters = Filters()) -> pd.DataFrame:
     """TTFT and TPOT (TTFT excluded, as SGLang's bench_serving) per run and workload:
-    p05, p25, p50, p75, p95 from the rollups' log-binned histograms (long format)."""
-    lat = _select(rollups.partials(store, "latency"), f, _runs(store))
-    parts = [
-        rollups.latency_quantiles(g, ["run_id", "workload"], (0.05, 0.25, 0.5, 0.75, 0.95)).assign(
-            metric=m
-        )
-        for m, g in lat.groupby("metric", sort=True)
-    ]
-    if not parts:
-        return pd.DataFrame(columns=["run_id", "workload", "n", "p05", "p25", "p50", "p75",
-                                     "p95", "metric"])  # fmt: skip
-    return pd.concat(parts, ignore_index=True)
+    exact p05, p25, p50, p75, p95 from the stored requests (long format)."""
+    cols = ["run_id", "workload", "n", *map(_qname, LATENCY_QUANTILES), "metric"]
+    return exact_latency(store, f, ("run_id", "workload"))[cols]
 
 
 # ---------------------------------------------------------------- windows
@@ -356,8 +407,8 @@ def ceiling_by_workload(store: Store, f: Filters = Filters()) -> pd.DataFrame:
 
 _EST_COLUMNS = (
     "run_id, dp_rank, forward_ct, rid, gamma, prefix_len, verify_len, acc_len, correct_drafts, "
-    "cap_trim, bonus_token, draft_tokens, confidence, survival, workload, temperature, is_last, "
-    "trimmed_tokens, q_lp, pg"
+    "cap_trim, bonus_token, draft_tokens, confidence, survival, workload, temperature, top_p, "
+    "top_k, is_last, trimmed_tokens, q_lp, pg"
 )
 
 
@@ -369,6 +420,7 @@ class CeilingEstimate:
     summary: pd.DataFrame  # per workload: mean_lo, mean_mid, mean_hi, mean_point, CIs ...
     validation: pd.DataFrame  # per workload vs the companion (empty without one)
     problems: list[str] = field(default_factory=list)
+    tail: dict[str, Any] = field(default_factory=dict)  # tail model used + its validation cell
 
 
 def _runs_frame(store: Store, run_ids: list[str]) -> pd.DataFrame:
@@ -395,7 +447,109 @@ def ceiling_estimate(store: Store, run_id: str, n_boot: int = 200) -> CeilingEst
         cap = _df(store, f"SELECT {_EST_COLUMNS} FROM req_steps WHERE run_id = {_lit(comp[0])}")
         if len(cap):
             validation = validate_estimator(summary, cap, by=("workload",), n_boot=n_boot)
-    return CeilingEstimate(run_id, summary, validation, list(est.problems))
+    tail = est.tail_model.describe() if est.tail_model is not None else {}
+    tail["validation_cell"] = validation_cell(
+        float(est.blocks["censored"].mean()), sampling_kind(rows)
+    )
+    return CeilingEstimate(run_id, summary, validation, list(est.problems), tail)
+
+
+@dataclass
+class RunCeiling:
+    """The first-screen figures of one run: committed vs ceiling, and how the ceiling is known.
+
+    ``source``: "measured" (the run verified whole blocks), "measured by companion <id>" (a
+    compact run's cap-accept companion, same requests), "estimated" (block-accept estimator
+    on the compact run alone: ``*_lo`` / ``*_hi`` are its 95% interval) or "unknown". Figures
+    that cannot be known are NaN, never a measured-looking 1.0.
+    """
+
+    run_id: str
+    mode: str | None
+    source: str
+    committed: float = np.nan  # committed tokens per request-step (accept length)
+    ceiling: float = np.nan  # ceiling per request-step
+    ceiling_lo: float = np.nan
+    ceiling_hi: float = np.nan
+    utilization: float = np.nan
+    utilization_lo: float = np.nan
+    utilization_hi: float = np.nan
+    tokens_left: float = np.nan
+    tokens_left_lo: float = np.nan
+    tokens_left_hi: float = np.nan
+    mean_window: float = np.nan
+    ece: float = np.nan  # raw confidences, pooled over positions (SGLang's definition)
+    ece_n: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def estimated(self) -> bool:
+        return self.source == "estimated"
+
+
+def _step_sums(store: Store, run_id: str) -> dict[str, float]:
+    row = store.query(
+        "SELECT count(*) AS n, sum(acc_len) AS committed, sum(coalesce(cap_trim, 0)) AS trim, "
+        f"sum(verify_len) AS verified FROM req_steps WHERE run_id = {_lit(run_id)}"
+    ).to_pylist()[0]
+    return {k: float(v) if v is not None else np.nan for k, v in row.items()}
+
+
+def run_ceiling(store: Store, run_id: str, n_boot: int = 200) -> RunCeiling:
+    """Committed vs ceiling for one run, the ceiling measured, or estimated with its interval."""
+    runs = _runs(store)
+    me = runs[runs["run_id"] == run_id]
+    mode = me["mode"].iloc[0] if len(me) else None
+    own = _step_sums(store, run_id)
+    out = RunCeiling(run_id, mode if isinstance(mode, str) else None, "unknown")
+    if not own["n"]:
+        out.problems.append("no req_steps rows yet")
+        return out
+    out.committed = own["committed"] / own["n"]
+    out.mean_window = own["verified"] / own["n"]
+    comp = runs[(runs["companion_of"] == run_id) & (runs["mode"] == "cap-accept")]["run_id"]
+    measured_by = run_id if mode in MEASURED_CEILING_MODES else None
+    if measured_by is None and len(comp):
+        measured_by = sorted(comp)[0]
+    if measured_by is not None:
+        sums = own if measured_by == run_id else _step_sums(store, measured_by)
+        if sums["n"]:
+            out.source = "measured" if measured_by == run_id else f"measured by {measured_by}"
+            ceiling = sums["committed"] + sums["trim"]
+            out.ceiling = out.ceiling_lo = out.ceiling_hi = ceiling / sums["n"]
+            out.utilization = out.utilization_lo = out.utilization_hi = (
+                sums["committed"] / ceiling if ceiling > 0 else np.nan
+            )
+            out.tokens_left = out.tokens_left_lo = out.tokens_left_hi = sums["trim"]
+    elif mode == "compact":
+        rows = _df(store, f"SELECT {_EST_COLUMNS} FROM req_steps WHERE run_id = {_lit(run_id)}")
+        reqs = _df(store, f"FROM requests WHERE run_id = {_lit(run_id)}")
+        est = estimate_blocks(rows, reqs if len(reqs) else None, runs=_runs_frame(store, [run_id]))
+        out.problems += list(est.problems)
+        summ = est.summary((), n_boot=n_boot)
+        if len(summ):
+            r = summ.iloc[0]
+            blocks, committed = float(r["blocks"]), float(r["mean_committed"])
+            out.source = "estimated"
+            out.ceiling = float(r["mean_point"])
+            out.ceiling_lo, out.ceiling_hi = float(r["point_ci_lo"]), float(r["point_ci_hi"])
+            out.utilization = committed / out.ceiling
+            out.utilization_lo = committed / out.ceiling_hi
+            out.utilization_hi = min(1.0, committed / out.ceiling_lo)
+            out.tokens_left = blocks * (out.ceiling - committed)
+            out.tokens_left_lo = max(0.0, blocks * (out.ceiling_lo - committed))
+            out.tokens_left_hi = blocks * (out.ceiling_hi - committed)
+    cal = _df(
+        store,
+        "SELECT run_id, dp_rank, forward_ct, rid, gamma, verify_len, acc_len, correct_drafts, "
+        "cap_trim, confidence, survival, workload FROM req_steps "
+        f"WHERE run_id = {_lit(run_id)} AND confidence IS NOT NULL",
+    )
+    if len(cal):
+        table = calibration_table(position_labels(cal, runs=_runs_frame(store, [run_id])), by=())
+        if len(table):
+            out.ece, out.ece_n = float(table["ece"].iloc[0]), int(table["n"].iloc[0])
+    return out
 
 
 # ---------------------------------------------------------------- calibration
@@ -411,6 +565,7 @@ class Calibration:
     sts_json: str | None  # SGLang's STS JSON, fitted on this run's fit split
     evaluation: str  # how the STS numbers were obtained
     pooled: dict[str, float] = field(default_factory=dict)  # ece_before / ece_after held-out
+    verdict: StsVerdict | None = None  # ok | too few to trust | worse: do not serve
 
 
 def _with_sts(rows: pd.DataFrame, temperatures: list[float]) -> pd.DataFrame:
@@ -452,7 +607,7 @@ def calibration(
         return empty
     by = ("workload", "position")
     variants: list[tuple[str, pd.DataFrame]] = []
-    sts_json, evaluation, pooled = None, "raw confidences, all requests", {}
+    sts_json, evaluation, pooled, verdict = None, "raw confidences, all requests", {}, None
     try:
         ho = fit_sts_heldout(
             sts_data_from_req_steps(rows, runs=runs), heldout_frac=heldout_frac, seed=seed
@@ -465,6 +620,7 @@ def calibration(
         sts_json = json.dumps(ho.calibration.to_dict(), indent=2)
         evaluation = f"STS fitted on {ho.fit_requests} requests, judged on {ho.heldout_requests}"
         pooled = {"ece_before": ho.pooled_before, "ece_after": ho.pooled_after}
+        verdict = ho.verdict()
     except ValueError:
         variants = [("raw", rows)]
     metrics, bins = [], []
@@ -480,6 +636,7 @@ def calibration(
         sts_json,
         evaluation,
         pooled,
+        verdict,
     )
 
 
@@ -648,6 +805,8 @@ def _request_buckets(store: Store, run_id: str, workloads: tuple[str, ...]) -> p
     return both.fillna(0.0).reset_index()
 
 
+# metrics that need a measured ceiling (NaN, never compared, for a compact run)
+CEILING_METRICS = ("mean ceiling (ceiling / step)", "utilization (committed / ceiling)")
 # metric -> (numerator, denominator) bucket columns: every metric is a ratio of sums
 COMPARE_METRICS: dict[str, tuple[str, str]] = {
     "accept length (committed / step)": ("committed", "steps"),
@@ -681,7 +840,11 @@ def compare_runs(
 
     Requests of each run are resampled independently (Poisson weights on request buckets),
     so the interval of the difference covers the request-to-request variation of both runs.
+    A run whose ceiling is hidden (compact) has no mean ceiling and no utilization: those
+    rows are NaN with the reason in ``note``, and no difference is computed for them.
     """
+    modes = dict(zip(*(_runs(store)[c] for c in ("run_id", "mode")), strict=True))
+    hidden = {r: ceiling_source(modes.get(r)) for r in (run_a, run_b)}
     a = _request_buckets(store, run_a, workloads)
     b = _request_buckets(store, run_b, workloads)
     rng = np.random.default_rng(seed)
@@ -694,17 +857,26 @@ def compare_runs(
     for name in COMPARE_METRICS:
         va = float(point_a[name][0]) if len(a) else np.nan
         vb = float(point_b[name][0]) if len(b) else np.nan
+        note = ""
+        if name in CEILING_METRICS:
+            unknown = [f"{r}: ceiling {src}" + (" (compact: its estimate or companion is on "
+                       "the Ceiling page)" if src == HIDDEN_CEILING else "")
+                       for r, src in hidden.items() if src != "measured"]  # fmt: skip
+            if hidden[run_a] != "measured":
+                va = np.nan
+            if hidden[run_b] != "measured":
+                vb = np.nan
+            note = "; ".join(unknown)
         lo = hi = np.nan
         diff = boot_b[name] - boot_a[name] if len(a) and len(b) else np.array([])
-        diff = diff[np.isfinite(diff)]
+        diff = diff[np.isfinite(diff)] if np.isfinite(va) and np.isfinite(vb) else diff[:0]
         if diff.size:
             lo, hi = (float(x) for x in np.quantile(diff, [lo_q, hi_q]))
-        rows.append(
-            {"metric": name, "a": va, "b": vb, "diff": vb - va, "diff_lo": lo, "diff_hi": hi}
-        )
+        rows.append({"metric": name, "a": va, "b": vb, "diff": vb - va, "diff_lo": lo,
+                     "diff_hi": hi, "note": note})  # fmt: skip
     na, nb = float(a["requests"].sum()), float(b["requests"].sum())
     rows.append(
         {"metric": "requests", "a": na, "b": nb, "diff": nb - na, "diff_lo": np.nan,
-         "diff_hi": np.nan}
+         "diff_hi": np.nan, "note": ""}
     )  # fmt: skip
     return pd.DataFrame(rows)

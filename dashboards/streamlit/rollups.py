@@ -7,9 +7,9 @@ the segments that appeared since the last one, and then adds up a few hundred ti
 Over 10 million req-step rows a full-store query then costs milliseconds instead of a scan
 (bench/bench_dashboard_queries.py measures both).
 
-Partials are sums and counts (decomposable), plus log-binned latency histograms, from which
-quantiles are read with a relative error under 3% (bins are 1/40 decade wide). Segments that
-vanished (compacted) drop out of the cache on the next listing. Each segment is read through
+Partials are sums and counts (decomposable); latency quantiles are not here: the pages read
+exact ones from the requests table (queries.exact_latency), never a binned estimate. Segments
+that vanished (compacted) drop out of the cache on the next listing. Each segment is read through
 ``Store.query`` (read-only, confined to the store).
 """
 
@@ -19,15 +19,13 @@ import glob
 import threading
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from dspark_obs.store import Store
 from dspark_obs.store.layout import PLACEHOLDER_DIR, segment_glob
 
-__all__ = ["BUCKETS", "LATENCY_BINS_PER_DECADE", "latency_quantiles", "partials"]
+__all__ = ["BUCKETS", "partials"]
 
-LATENCY_BINS_PER_DECADE = 40
 BUCKETS = 200  # request buckets for bootstrap intervals (whole requests, hash of the rid)
 
 # table -> SQL over one segment ({src}); every column is a sum, count, min, max or xor
@@ -46,18 +44,6 @@ _PARTIAL_SQL = {
                sum(completion_tokens)::BIGINT AS tokens, min(arrival_time) AS t0,
                max(finish_time) AS t1, bit_xor(hash(rid, output_tokens)) AS out_hash
         FROM {src} GROUP BY ALL""",
-    "latency": f"""
-        WITH t AS (
-            SELECT run_id, coalesce(workload, 'unknown') AS workload,
-                   first_token_time - arrival_time AS ttft_s,
-                   CASE WHEN completion_tokens > 1 THEN (finish_time - first_token_time)
-                        / (completion_tokens - 1) END AS tpot_s  -- none for 1-token requests
-            FROM {{src}})
-        SELECT run_id, workload, metric,
-               floor(log10(greatest(v, 1e-6)) * {LATENCY_BINS_PER_DECADE})::INTEGER AS bin,
-               count(*) AS n
-        FROM t UNPIVOT (v FOR metric IN (ttft_s, tpot_s))
-        WHERE v IS NOT NULL AND isfinite(v) GROUP BY ALL""",
     # bootstrap buckets of requests (hash of the rid): the Compare page's intervals
     "req_buckets": f"""
         SELECT run_id, coalesce(workload, 'unknown') AS workload,
@@ -91,7 +77,6 @@ _SOURCE_TABLE = {  # kind -> the table whose segments it summarizes
     "req_steps": "req_steps",
     "req_buckets": "req_steps",
     "requests": "requests",
-    "latency": "requests",
     "request_buckets": "requests",
     "steps": "steps",
 }
@@ -114,8 +99,9 @@ def _read(store: Store, kind: str, path: str) -> pd.DataFrame:
 def partials(store: Store, kind: str) -> pd.DataFrame:
     """The partial aggregates of every current segment of ``kind``'s table, concatenated.
 
-    kind: req_steps | requests | latency | steps. New segments are read once; segments that
-    vanished between two listings (compaction, or renamed away mid-listing) are skipped.
+    kind: runs | req_steps | req_buckets | requests | request_buckets | steps. New segments
+    are read once; segments that vanished between two listings (compaction, or renamed away
+    mid-listing) are skipped.
     """
     root = Path(store.root).resolve()
     paths = _segments(root, _SOURCE_TABLE[kind])
@@ -152,20 +138,3 @@ def partials(store: Store, kind: str) -> pd.DataFrame:
 def _columns(store: Store, kind: str) -> list[str]:
     sql = _PARTIAL_SQL[kind].format(src=_SOURCE_TABLE[kind]) + " LIMIT 0"
     return store.query(sql).schema.names
-
-
-def latency_quantiles(hist: pd.DataFrame, by: list[str], qs: tuple[float, ...]) -> pd.DataFrame:
-    """Quantiles per group from the log-binned histogram (each bin read at its log-midpoint)."""
-    names = [f"p{round(100 * q):02d}" for q in qs]
-    if len(hist) == 0:
-        return pd.DataFrame(columns=[*by, "n", *names])
-    h = hist.groupby([*by, "bin"], as_index=False, sort=True)["n"].sum()
-    groups = h.groupby(by, sort=False)["n"]
-    cum, total = groups.cumsum().to_numpy(), groups.transform("sum").to_numpy()
-    out = h.drop_duplicates(by)[by].reset_index(drop=True)
-    out["n"] = h.groupby(by, sort=False)["n"].sum().to_numpy()
-    mids = 10 ** ((h["bin"].to_numpy(dtype=np.float64) + 0.5) / LATENCY_BINS_PER_DECADE)
-    for q, name in zip(qs, names, strict=True):
-        first = h.loc[cum >= q * total].drop_duplicates(by)  # first bin reaching the quantile
-        out[name] = mids[first.index.to_numpy()]
-    return out

@@ -58,6 +58,7 @@ from dspark_obs.analytics.sts import (
     sts_data_from_req_steps,
     temperature_grid,
 )
+from dspark_obs.analytics.sts_verdict import StsVerdict, sts_verdict
 from dspark_obs.analytics.windows import budget_stats, window_histogram, window_stats
 
 __all__ = [
@@ -106,6 +107,8 @@ __all__ = [
     "save_sts_shard",
     "step_ceilings",
     "sts_data_from_req_steps",
+    "sts_verdict",
+    "StsVerdict",
     "summarize_blocks",
     "temperature_grid",
     "validate_estimator",

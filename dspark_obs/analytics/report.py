@@ -32,13 +32,19 @@ from dspark_obs.analytics.calibration import (
 )
 from dspark_obs.analytics.companion import CompanionDivergence, find_companion, pair_companion
 from dspark_obs.analytics.estimator import estimate_blocks, validate_estimator
+from dspark_obs.analytics.estimator_cells import (
+    describe_cell,
+    describe_tail,
+    sampling_kind,
+    validation_cell,
+)
 from dspark_obs.analytics.sts import (
-    MIN_HELDOUT_REQUESTS,
     StsCalibration,
     fit_sts_heldout,
     pooled_ece,
     sts_data_from_req_steps,
 )
+from dspark_obs.analytics.sts_verdict import MIN_HELDOUT_REQUESTS, sts_verdict
 from dspark_obs.analytics.windows import budget_stats, window_histogram, window_stats
 
 WORKLOAD_KEYS = ("run_id", "workload")
@@ -175,6 +181,9 @@ class Report:
         for title, frame in sections:
             if frame is not None and len(frame):
                 parts += [f"## {title}", "", markdown_table(frame), ""]
+        if self.meta.get("tail_models"):
+            parts += ["## Estimator tail model", ""]
+            parts += [f"- {line}" for line in self.tail_model_lines()] + [""]
         if self.sts:
             parts += ["## STS", ""]
             for run, info in self.sts.items():
@@ -185,7 +194,7 @@ class Report:
                     f"- {run}: temperatures [{temps}]; "
                     f"ECE {format_cell(info.get('ece_before'))} -> "
                     f"{format_cell(info.get('ece_after'))}{ci_text} "
-                    f"({info.get('evaluation', '')})"
+                    f"({info.get('evaluation', '')}); verdict: **{info.get('verdict', 'ok')}**"
                 )
                 parts += [f"  - **CAVEAT** {c}" for c in info.get("caveats", [])]
             parts.append("")
@@ -199,6 +208,14 @@ class Report:
         if self.problems:
             parts += ["## Data problems", ""] + [f"- {p}" for p in self.problems[:100]] + [""]
         return "\n".join(parts)
+
+    def tail_model_lines(self) -> list[str]:
+        """Per compact run: which tail model filled unresolved offsets, and the sweep cell
+        (bench/bench_estimator_sweep.py) that measured the estimator where the run sits."""
+        return [
+            f"{run}: {describe_tail(info)}"
+            for run, info in self.meta.get("tail_models", {}).items()
+        ]
 
     def to_rich(self) -> Any:
         """A rich renderable (Group of tables): ``rich.print(report.to_rich())``."""
@@ -249,6 +266,8 @@ class Report:
                 if c in v.columns
             ]
             items.append(table("Estimator vs companion truth", v[vcols]))
+        for line in self.tail_model_lines():
+            items.append(Text(f"Estimator tail model: {line}"))
         if len(self.calibration):
             cols = [
                 c
@@ -302,13 +321,14 @@ def _split_companions(
 
 
 def _sts_note(requests: Any, before: float, after: float) -> str:
-    """What a reader must know before trusting one workload's ECE before -> after."""
-    notes = []
-    if isinstance(requests, int | np.integer) and requests < MIN_HELDOUT_REQUESTS:
-        notes.append(f"only {int(requests)} requests")
-    if np.isfinite(before) and np.isfinite(after) and after > before:
-        notes.append("WORSE after STS")
-    return "; ".join(notes)
+    """One workload's STS verdict (:func:`sts_verdict`), empty when ok."""
+    n = int(requests) if isinstance(requests, int | np.integer) else MIN_HELDOUT_REQUESTS
+    verdict = sts_verdict(before, after, n)
+    if verdict.status == "ok":
+        return ""
+    few = f"too few to trust (only {n} requests)" if n < MIN_HELDOUT_REQUESTS else ""
+    worse = "WORSE after STS: do not serve" if not verdict.servable else ""
+    return "; ".join(x for x in (worse, few) if x)
 
 
 def _mode(rn: pd.DataFrame, run_id: str) -> str:
@@ -339,7 +359,7 @@ def build_report(
     n_boot: int = 200,
     seed: int = 0,
     heldout_frac: float = 0.3,
-    tail: str = "empirical",
+    tail: str = "auto",
 ) -> Report:
     """Compute every table of the report.
 
@@ -364,6 +384,7 @@ def build_report(
     )
 
     warn_list: list[str] = []
+    tail_models: dict[str, dict] = {}  # per compact run: the estimator's tail model + its cell
     problems: list[str] = []
     tables: dict[str, list[pd.DataFrame]] = {
         k: []
@@ -441,17 +462,16 @@ def build_report(
                 )
                 before = pooled_ece(data.logits, data.prefix_mask, None, data.observed, n_bins)
                 after = pooled_ece(data.logits, data.prefix_mask, temps, data.observed, n_bins)
-                caveats = []
-                if after > before:
-                    caveats.append(
-                        f"ECE with the given temperatures {after:.4f} is WORSE than without "
-                        f"{before:.4f}; do not serve them for this traffic"
-                    )
+                verdict = sts_verdict(
+                    before, after, int(np.unique(data.request).size), judged_on="all"
+                )
+                caveats = verdict.reasons
                 sts_info[run] = {
                     "temperatures": temps,
                     "evaluation": "given temperatures, all requests",
                     "ece_before": before,
                     "ece_after": after,
+                    "verdict": verdict.status,
                     "caveats": caveats,
                 }
             else:
@@ -459,7 +479,8 @@ def build_report(
                     data, heldout_frac=heldout_frac, seed=seed, n_bins=n_bins, n_boot=n_boot
                 )
                 by_wl = ho.by_workload
-                caveats = ho.caveats()
+                verdict = ho.verdict()
+                caveats = verdict.reasons
                 sts_info[run] = {
                     "temperatures": ho.calibration.temperatures,
                     "calibration": ho.calibration.to_dict(),
@@ -472,6 +493,7 @@ def build_report(
                     "ece_after": ho.pooled_after,
                     "ece_after_ci": list(ho.after_ci),
                     "ece_change_ci": list(ho.change_ci),
+                    "verdict": verdict.status,
                     "caveats": caveats,
                     "ece_before_per_position": ho.ece_before,
                     "ece_after_per_position": ho.ece_after,
@@ -535,6 +557,13 @@ def build_report(
             )
             problems += [f"{run}: {p}" for p in est.problems]
             summ = est.summary(("workload",), n_boot=n_boot, seed=seed)
+            tail_info = est.tail_model.describe() if est.tail_model is not None else {}
+            cell = validation_cell(float(est.blocks["censored"].mean()), sampling_kind(rows))
+            tail_info["validation_cell"] = cell
+            tail_models[run] = tail_info
+            summ = summ.assign(
+                tail_model=tail_info.get("tail_model", tail), validation_cell=describe_cell(cell)
+            )
             tables["estimator"].append(_with_run(summ, run))
             wk = wk.merge(
                 summ[
@@ -589,6 +618,7 @@ def build_report(
         "n_boot": n_boot,
         "seed": seed,
         "tail": tail,
+        "tail_models": tail_models,
         "req_steps": len(rs),
     }
     return Report(

@@ -35,6 +35,7 @@ import pandas as pd
 from dspark_obs._jsonfile import read_json_file
 from dspark_obs.analytics._frames import FrameLike, request_keys, text_column
 from dspark_obs.analytics.calibration import N_BINS, ece, wide_labels
+from dspark_obs.analytics.sts_verdict import MIN_HELDOUT_REQUESTS, StsVerdict, sts_verdict
 
 GRID_SIZE = 41
 # Confidences are stored rounded to 4 decimals; 0.0 / 1.0 would give infinite logits.
@@ -467,23 +468,20 @@ class StsHeldout:
         """ECE after STS is higher than before on the held-out requests."""
         return bool(self.pooled_after > self.pooled_before)
 
+    def verdict(self) -> StsVerdict:
+        """ok | too few to trust | worse: do not serve (:func:`sts_verdict`)."""
+        return sts_verdict(
+            self.pooled_before,
+            self.pooled_after,
+            self.heldout_requests,
+            fit_requests=self.fit_requests,
+            after_ci=self.after_ci,
+            change_ci=self.change_ci,
+        )
+
     def caveats(self) -> list[str]:
         """Plain-language flags a reader must see next to the numbers (empty when none)."""
-        out = []
-        lo, hi = self.after_ci
-        if self.few_heldout:
-            out.append(
-                f"judged on only {self.heldout_requests} held-out request(s) (fit on "
-                f"{self.fit_requests}): ECE after {self.pooled_after:.4f}, 95% interval "
-                f"[{lo:.4f}, {hi:.4f}]; too few to trust (want >= {MIN_HELDOUT_REQUESTS})"
-            )
-        if self.worse:
-            out.append(
-                f"ECE after STS {self.pooled_after:.4f} is WORSE than before "
-                f"{self.pooled_before:.4f} on held-out requests (change interval "
-                f"[{self.change_ci[0]:+.4f}, {self.change_ci[1]:+.4f}]); do not serve these"
-            )
-        return out
+        return self.verdict().reasons
 
 
 def split_requests(keys: np.ndarray, heldout_frac: float, seed: int) -> np.ndarray:
@@ -496,10 +494,6 @@ def split_requests(keys: np.ndarray, heldout_frac: float, seed: int) -> np.ndarr
         n_held = min(max(n_held, 1), uniq.size - 1)
     held = set(uniq[perm[:n_held]].tolist())
     return np.array([k in held for k in np.asarray(keys, dtype=str)], dtype=bool)
-
-
-MIN_HELDOUT_REQUESTS = 20
-"""Fewer held-out requests than this and a report flags the STS comparison as untrustworthy."""
 
 
 def _request_bins(

@@ -121,7 +121,9 @@ def fit_sts_command(
         f"[95%: {lo:.4f}, {hi:.4f}] ({res.fit_requests} fit / {res.heldout_requests} "
         "held-out requests)"
     )
-    for caveat in res.caveats():
+    verdict = res.verdict()
+    typer.echo(f"verdict: {verdict.status}")
+    for caveat in verdict.reasons:
         typer.echo(f"CAVEAT: {caveat}", err=True)
     typer.echo(f"wrote {out}", err=True)
 

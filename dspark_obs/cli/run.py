@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -100,15 +101,21 @@ def run_command(
         run_with_companion,
         traffic_to_requests,
     )
+    from dspark_obs.fanout import SinkError
     from dspark_obs.store import Store, StoreError
     from dspark_obs.workloads import WorkloadFileError, load_traffic, mixed_traffic
 
     console = Console(stderr=True)
     try:
+        # refused before any work: nothing is loaded, run or stored
         if workload not in WORKLOAD_CHOICES:
             raise EngineError(
                 f"unknown workload {workload!r}; expected one of {list(WORKLOAD_CHOICES)}"
             )
+        if workload_file is None and requests < 1:
+            raise ValueError(f"--requests must be >= 1, got {requests}: nothing to run")
+        rid = run_id or new_run_id(mode)
+        check_run_ids(rid, companion, store)
         config = EngineConfig(
             mode=mode,
             gamma=gamma,
@@ -133,12 +140,13 @@ def run_command(
                 temperature=temperature,
             )
             label = workload
+        if not traffic:
+            raise ValueError(f"{workload_file}: no requests in the workload file: nothing to run")
         # every file is read and checked before the model loads and before the first record
         temps = None if sts is None else StsCalibration.load(sts, gamma=gamma).temperatures
         with console.status("loading SmolLM2-135M and the drafter"):
             models = load_models(drafter, device=device, sts=temps)
         reqs = traffic_to_requests(traffic, models.tokenizer)
-        rid = run_id or new_run_id(mode)
         sink = Store(store)
         from dspark_obs.sinks.serve import telemetry_sinks
 
@@ -178,6 +186,9 @@ def run_command(
     except (EngineError, CostTableError, WorkloadFileError, StoreError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
+    except SinkError as exc:  # a sink's write failed on its thread: what it acknowledged stays
+        console.print(f"[red]error:[/red] a record sink failed, run not complete: {exc}")
+        raise typer.Exit(3) from exc
     except OSError as exc:  # e.g. a --workload-file that does not exist
         console.print(f"[red]error:[/red] {exc.filename or ''}: {exc.strerror or exc}")
         raise typer.Exit(2) from exc
@@ -189,11 +200,32 @@ def run_command(
             f"{res.committed_tokens} tokens in {res.seconds:.1f}s "
             f"({res.tokens_per_second:.1f} tok/s), target processed {res.target_tokens}"
         )
+    if fan.summary():
+        console.print("sink queues (backpressure):\n" + fan.summary())
     if fan.errors:
         console.print(
             f"[yellow]{len(fan.errors)} records rejected[/yellow]; first: {fan.errors[0]}"
         )
     typer.echo(rid)
+
+
+def check_run_ids(run_id: str, companion: bool, store: Path) -> None:
+    """Refuse a run id the store cannot hold (and its companion's, ``<id>-cap``), judged
+    against the store's own filesystem (its longest file name), before any work."""
+    from dspark_obs.schema import run_id_problem
+
+    probe = store.resolve()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        name_max = os.pathconf(probe, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    for rid in (run_id, f"{run_id}-cap") if companion else (run_id,):
+        problem = run_id_problem(rid, name_max)
+        if problem is not None:
+            what = "--run-id" if rid == run_id else f"the companion's run id {rid[:40]!r}..."
+            raise ValueError(f"{what}: {problem}")
 
 
 def profile_command(

@@ -30,8 +30,10 @@ def engine_server_command(
     host: Annotated[str, typer.Option(help="Bind address.")] = "127.0.0.1",
     mode: Annotated[
         str | None,
-        typer.Option(help="static | compact | cap-accept (default: $SGLANG_RAGGED_VERIFY_MODE, "
-                     "else static, as SGLang)."),
+        typer.Option(
+            help="static | compact | cap-accept (default: $SGLANG_RAGGED_VERIFY_MODE, "
+            "else static, as SGLang)."
+        ),
     ] = None,
     gamma: Annotated[int, typer.Option(help="Draft block size.")] = 5,
     lag: Annotated[
@@ -50,14 +52,18 @@ def engine_server_command(
     device: Annotated[str, typer.Option(help="cpu | cuda.")] = "cpu",
     dump: Annotated[
         str | None,
-        typer.Option(help="Step-dump components, comma list or 'all' (default: "
-                     "$SGLANG_DSPARK_DEBUG_DUMP, else all)."),
+        typer.Option(
+            help="Step-dump components, comma list or 'all' (default: "
+            "$SGLANG_DSPARK_DEBUG_DUMP, else all)."
+        ),
     ] = None,
     max_records: Annotated[int, typer.Option(help="Step-dump ring buffer size.")] = 200_000,
     estimator_path: Annotated[
         Path | None,
-        typer.Option(help="Block-accept estimator JSONL (default: "
-                     "$SGLANG_DSPARK_BLOCK_ACCEPT_ESTIMATE_PATH; compact mode writes it)."),
+        typer.Option(
+            help="Block-accept estimator JSONL (default: "
+            "$SGLANG_DSPARK_BLOCK_ACCEPT_ESTIMATE_PATH; compact mode writes it)."
+        ),
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the --tiny model's weights.")] = 0,
 ) -> None:
@@ -74,9 +80,21 @@ def engine_server_command(
     )
 
     opts = ServerOptions(
-        host=host, port=port, mode=mode, gamma=gamma, lag=lag, max_batch=max_batch,
-        cost_table=cost_table, sts=sts, drafter=drafter, tiny=tiny, device=device, dump=dump,
-        max_records=max_records, estimator_path=estimator_path, seed=seed,
+        host=host,
+        port=port,
+        mode=mode,
+        gamma=gamma,
+        lag=lag,
+        max_batch=max_batch,
+        cost_table=cost_table,
+        sts=sts,
+        drafter=drafter,
+        tiny=tiny,
+        device=device,
+        dump=dump,
+        max_records=max_records,
+        estimator_path=estimator_path,
+        seed=seed,
     )
     try:
         service = build_service(opts)
@@ -86,7 +104,8 @@ def engine_server_command(
     cfg = service.engine.cfg
     typer.echo(
         f"engine-server {service.config.model_name} mode={cfg.mode} gamma={cfg.gamma} "
-        f"listening on {server.url}", err=True
+        f"listening on {server.url}",
+        err=True,
     )
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.httpd.shutdown).start())
     with contextlib.suppress(KeyboardInterrupt):
@@ -94,17 +113,32 @@ def engine_server_command(
 
 
 def collect_command(
-    url: Annotated[str, typer.Option(help="The (compact) server, e.g. http://127.0.0.1:30000.")],
+    url: Annotated[
+        str | None, typer.Option(help="The (compact) server, e.g. http://127.0.0.1:30000.")
+    ] = None,
     companion_url: Annotated[
         str | None, typer.Option(help="Its cap-accept companion server.")
     ] = None,
-    run_id: Annotated[str | None, typer.Option(help="Run id (default: random).")] = None,
+    targets: Annotated[
+        Path | None,
+        typer.Option(
+            help="A fleet: Prometheus file_sd JSON/YAML ([{targets, labels}]); pair a "
+            "companion with labels dspark_pair=<name> + dspark_role=cap-accept."
+        ),
+    ] = None,
+    run_id: Annotated[
+        str | None, typer.Option(help="Run id (default: random; with --targets: the prefix).")
+    ] = None,
     companion_run_id: Annotated[
         str | None, typer.Option(help="Companion run id (default: RUN-cap).")
     ] = None,
     store: StoreOpt = Path("store"),
     metrics_port: Annotated[
-        int | None, typer.Option(help="Also serve the records as Prometheus /metrics here.")
+        int | None,
+        typer.Option(
+            help="Also serve the records (and per-target collector "
+            "counters) as Prometheus /metrics here."
+        ),
     ] = None,
     otlp_endpoint: Annotated[
         str | None, typer.Option(help="Also export OpenTelemetry metrics (OTLP/HTTP).")
@@ -117,28 +151,41 @@ def collect_command(
     ] = None,
     clear: Annotated[
         bool,
-        typer.Option("--clear/--dedupe", help="Clear the server's ring buffer after each read "
-                     "(small reads; steps between read and clear can be lost) or de-duplicate."),
+        typer.Option(
+            "--clear/--dedupe",
+            help="Clear the server's ring buffer after each read "
+            "(small reads; steps between read and clear are lost, reported) or "
+            "de-duplicate.",
+        ),
     ] = False,
     interval: Annotated[float, typer.Option(help="Seconds between polls.")] = 1.0,
     duration: Annotated[
         float | None, typer.Option(help="Stop after this many seconds (default: Ctrl-C).")
     ] = None,
-    timeout: Annotated[float, typer.Option(help="HTTP timeout per request (s).")] = 30.0,
+    timeout: Annotated[float, typer.Option(help="Bound on one whole poll (s).")] = 30.0,
     workload_file: Annotated[
         Path | None, typer.Option(help="Traffic JSONL the driver sends: labels rids by workload.")
     ] = None,
     ring_size: Annotated[
-        int, typer.Option(help="The server's step-dump ring buffer size (overflow detection).")
+        int,
+        typer.Option(
+            help="A hint: the server's ring buffer size (loss is found from "
+            "forward_ct whatever it is; this only dates loss before the first read)."
+        ),
     ] = 200_000,
+    workers: Annotated[int, typer.Option(help="Servers polled at once (fleets).")] = 8,
 ) -> None:
     """Poll SGLang /server_info step dumps (every DP rank), tail the estimator JSONL, scrape
     /metrics, and store it all (plus a runs row with mode, gamma, model, drafter) through the
-    same sinks as the engine. Faults are reported and retried; nothing is stored twice."""
+    same sinks as the engine. Faults are reported and retried; nothing is stored twice.
+    Exits 1 when no poll of some server succeeded."""
     from dspark_obs.engine.session import new_run_id
-    from dspark_obs.sglang.collector import Collector, CollectorOptions
+    from dspark_obs.sglang.collector import CollectError, Collector, CollectorOptions
+    from dspark_obs.sglang.fleet import CollectorMetrics, TargetsError, read_targets
     from dspark_obs.store import Store, StoreError
 
+    if (url is None) == (targets is None):
+        _fail("give --url (and optionally --companion-url) or --targets FILE")
     workloads = temperature = workload = None
     if workload_file is not None:
         from dspark_obs.workloads import WorkloadFileError, load_traffic
@@ -152,29 +199,66 @@ def collect_command(
         temperature = temps.pop() if len(temps) == 1 else None
         names = set(workloads.values())
         workload = names.pop() if len(names) == 1 else "mixed"
-    run_id = run_id or new_run_id("sglang")
     state_dir = Path(store) / ".collector"
-    servers = [CollectorOptions(url, run_id, estimator_path=estimator_jsonl, clear=clear,
-                                timeout_s=timeout, workloads=workloads, temperature=temperature,
-                                workload=workload, state_dir=state_dir, ring_size=ring_size)]
-    if companion_url:
-        servers.append(CollectorOptions(
-            companion_url, companion_run_id or f"{run_id}-cap", companion_of=run_id,
-            estimator_path=companion_estimator_jsonl, clear=clear, timeout_s=timeout,
-            workloads=workloads, temperature=temperature, workload=workload,
-            state_dir=state_dir, ring_size=ring_size))
+    common = {
+        "clear": clear,
+        "timeout_s": timeout,
+        "workloads": workloads,
+        "temperature": temperature,
+        "workload": workload,
+        "state_dir": state_dir,
+        "ring_size": ring_size,
+    }
+    if targets is not None:
+        try:
+            fleet = read_targets(targets, run_id or "sglang")
+        except TargetsError as exc:
+            _fail(str(exc))
+        servers = [
+            CollectorOptions(
+                t.url, t.run_id, companion_of=t.companion_of, labels=t.labels, **common
+            )
+            for t in fleet
+        ]
+    else:
+        run_id = run_id or new_run_id("sglang")
+        servers = [CollectorOptions(url, run_id, estimator_path=estimator_jsonl, **common)]
+        if companion_url:
+            servers.append(
+                CollectorOptions(
+                    companion_url,
+                    companion_run_id or f"{run_id}-cap",
+                    companion_of=run_id,
+                    estimator_path=companion_estimator_jsonl,
+                    **common,
+                )
+            )
     try:
         sinks = [Store(store)]
+        for o in servers:  # without its state a collector cannot tell stored steps from new
+            state = state_dir / f"{_safe_name(o.run_id)}.json"
+            if not state.is_file() and stored_step_keys(sinks[0], o.run_id):
+                _fail(
+                    f"run {o.run_id} already has steps in {store} but no collector state "
+                    f"({state}): collect into a new --run-id"
+                )
         if metrics_port is not None or otlp_endpoint is not None:
             from dspark_obs.sinks import telemetry_sinks
 
             sinks += telemetry_sinks(metrics_port, otlp_endpoint)
-    except (StoreError, ValueError, OSError) as exc:
+        col = Collector(
+            servers,
+            sinks,
+            interval_s=interval,
+            workers=workers,
+            report=lambda run, msg: typer.echo(f"[{run}] {msg}", err=True),
+        )
+    except (StoreError, ValueError, OSError, CollectError) as exc:
         _fail(str(exc))
-    col = Collector(servers, sinks, interval_s=interval,
-                    report=lambda run, msg: typer.echo(f"[{run}] {msg}", err=True))
-    typer.echo(f"collecting {url} -> run {run_id}"
-               + (f", {companion_url} -> {servers[1].run_id}" if companion_url else ""), err=True)
+    for sink in sinks:
+        if getattr(sink, "registry", None) is not None and hasattr(sink, "server"):
+            sink.registry.register(CollectorMetrics(col))  # type: ignore[attr-defined]
+    typer.echo("collecting " + ", ".join(f"{o.url} -> run {o.run_id}" for o in servers), err=True)
     signal.signal(signal.SIGTERM, lambda *_: col.stop())
     try:
         with contextlib.suppress(KeyboardInterrupt):
@@ -182,15 +266,29 @@ def collect_command(
         col.finish()
     except (StoreError, OSError) as exc:  # the store refused a write: stop, nothing half-done
         _fail(f"store {store}: {exc}")
+    dead = []
     for sc in col.servers:
         t = sc.totals
         typer.echo(
-            f"{sc.opts.run_id}: {t.polls} polls ({t.failed_polls} failed), {t.steps} steps, "
-            f"{t.req_steps} request-steps, {t.rejected} rejected, {t.restarts} restarts, "
-            f"{t.overflows} overflows, {t.estimator_lines} estimator lines"
-            + (f", sglang:spec_verify_calls_total={t.metrics['sglang:spec_verify_calls_total']:g}"
-               if "sglang:spec_verify_calls_total" in t.metrics else ""),
+            f"{sc.opts.run_id}: {t.polls} polls ({t.failed_polls} failed), {t.steps} steps and "
+            f"{t.req_steps} request-steps stored, {t.rejected} rejected, {t.bad_records} bad "
+            f"records left out, {t.restarts} restarts, {t.lost_ranges} lost ranges "
+            f"({t.lost_forward_cts} forward_cts), {t.estimator_lines} estimator lines"
+            + (f" ({t.late_lines} late)" if t.late_lines else ""),
         )
+        for note in t.restart_notes:
+            typer.echo(f"  {note}")
+        for gap in sc.gaps[:20]:
+            typer.echo(f"  {gap}")
+        rec = sc.reconcile()
+        if rec:
+            typer.echo(f"  {rec}")
+        if not t.useful:
+            dead.append(f"{sc.opts.url}: every poll failed ({t.last_error or 'no poll ran'})")
+    if dead:
+        for d in dead:
+            typer.echo(f"error: {d}", err=True)
+        raise typer.Exit(1)
 
 
 def drive_command(
@@ -228,28 +326,53 @@ def drive_command(
         if workload_file is not None:
             from dspark_obs.workloads import load_traffic
 
-            reqs = [GenerationRequest(rid=t.rid, messages=t.prompt.messages,
-                                      max_new_tokens=t.max_new_tokens, temperature=t.temperature,
-                                      top_p=t.top_p, top_k=t.top_k, seed=t.seed,
-                                      workload=t.prompt.workload)
-                    for t in load_traffic(workload_file)]
+            reqs = [
+                GenerationRequest(
+                    rid=t.rid,
+                    messages=t.prompt.messages,
+                    max_new_tokens=t.max_new_tokens,
+                    temperature=t.temperature,
+                    top_p=t.top_p,
+                    top_k=t.top_k,
+                    seed=t.seed,
+                    workload=t.prompt.workload,
+                )
+                for t in load_traffic(workload_file)
+            ]
         else:
-            reqs = build_requests(workload, requests, output_len=max_new_tokens, seed=seed,
-                                  temperature=temperature)
+            reqs = build_requests(
+                workload, requests, output_len=max_new_tokens, seed=seed, temperature=temperature
+            )
         targets = [DriveTarget(url, run_id)]
         if companion_url:
             targets.append(DriveTarget(companion_url, companion_run_id or f"{run_id}-cap"))
-        out = drive(targets, reqs, [Store(store)], api=api, concurrency=concurrency,
-                    request_rate=request_rate, seed=seed)
+        out = drive(
+            targets,
+            reqs,
+            [Store(store)],
+            api=api,
+            concurrency=concurrency,
+            request_rate=request_rate,
+            seed=seed,
+        )
     except (ClientError, StoreError, ValueError, OSError) as exc:
         _fail(str(exc))
+    failed = []
     for run, results in out.items():
         ok = [r for r in results if r.ok]
-        typer.echo(f"{run}: {len(ok)}/{len(results)} ok, "
-                   f"{sum(r.completion_tokens for r in ok)} tokens")
+        typer.echo(
+            f"{run}: {len(ok)}/{len(results)} ok, {sum(r.completion_tokens for r in ok)} tokens"
+        )
         for r in results:
             if not r.ok:
                 typer.echo(f"  {r.rid}: {r.error}", err=True)
+        if not ok:
+            first = next((r.error for r in results if r.error), "no requests sent")
+            failed.append(f"{run}: no request succeeded (first error: {first})")
+    if failed:
+        for f in failed:
+            typer.echo(f"error: {f}", err=True)
+        raise typer.Exit(1)
 
 
 def ingest_dump_command(
@@ -270,14 +393,28 @@ def ingest_dump_command(
     from dspark_obs.store import Store, StoreError
 
     try:
-        fan = FanOut([Store(store)])
-        res = ingest_dump(path.read_bytes(), run_id, fan, companion_of=companion_of)
-        typer.echo(f"{run_id}: {res.steps} steps, {res.req_steps} request-steps, "
-                   f"{res.rejected} rejected")
+        st = Store(store)
+        fan = FanOut([st])
+        res = ingest_dump(
+            path.read_bytes(),
+            run_id,
+            fan,
+            companion_of=companion_of,
+            stored=lambda run: stored_step_keys(st, run),
+        )
+        typer.echo(
+            f"{run_id}: {res.steps} steps and {res.req_steps} request-steps newly "
+            f"stored, {res.already_stored} steps already stored, {res.rejected} "
+            f"rejected, {len(res.errors)} bad records left out"
+        )
+        for e in res.errors[:10]:
+            typer.echo(f"  {path}: {e}", err=True)
         if sps_records is not None:
             table, errors = read_sps_records(sps_records, f"{run_id}-sps")
-            fan.emit("runs", [{**res.run, "run_id": f"{run_id}-sps", "mode": "static",
-                               "companion_of": None}])
+            fan.emit(
+                "runs",
+                [{**res.run, "run_id": f"{run_id}-sps", "mode": "static", "companion_of": None}],
+            )
             fan.emit("steps", table)
             typer.echo(f"{run_id}-sps: {table.num_rows} profiler steps, {len(errors)} bad lines")
             for e in errors[:10]:
@@ -287,6 +424,23 @@ def ingest_dump_command(
         fan.close()
     except (DumpError, StoreError, OSError) as exc:
         _fail(f"{path}: {exc}")
+    if res.steps == 0 and res.already_stored == 0:
+        _fail(f"{path}: nothing stored: no valid step record in the dump")
+
+
+def _safe_name(run_id: str) -> str:
+    from dspark_obs.sglang.collector import state_name
+
+    return state_name(run_id)
+
+
+def stored_step_keys(store: object, run_id: str) -> set[tuple[int, int]]:
+    """The (dp_rank, forward_ct) keys of ``run_id`` already in the store."""
+    quoted = run_id.replace("'", "''")
+    rows = store.query(  # type: ignore[attr-defined]
+        f"SELECT dp_rank, forward_ct FROM steps WHERE run_id = '{quoted}'"
+    ).to_pylist()
+    return {(int(r["dp_rank"]), int(r["forward_ct"])) for r in rows}
 
 
 def launch_command(
@@ -311,15 +465,26 @@ def launch_command(
     from dspark_obs.sglang.profiles import LaunchError, launch, server_profiles
 
     try:
-        profiles = server_profiles(target, drafter, gamma=gamma, host=host, port=port,
-                                   companion_port=companion_port, sps_table=sps_table, sts=sts,
-                                   lag=lag, out_dir=out_dir)
+        profiles = server_profiles(
+            target,
+            drafter,
+            gamma=gamma,
+            host=host,
+            port=port,
+            companion_port=companion_port,
+            sps_table=sps_table,
+            sts=sts,
+            lag=lag,
+            out_dir=out_dir,
+        )
         if not run:
             for p in profiles:
                 typer.echo(f"# {p.role}: {p.url}\n{p.shell()}\n")
             est = profiles[0].env["SGLANG_DSPARK_BLOCK_ACCEPT_ESTIMATE_PATH"]
-            typer.echo(f"# then: dspark-obs collect --url {profiles[0].url} "
-                       f"--companion-url {profiles[1].url} --estimator-jsonl {est}")
+            typer.echo(
+                f"# then: dspark-obs collect --url {profiles[0].url} "
+                f"--companion-url {profiles[1].url} --estimator-jsonl {est}"
+            )
             return
         procs = launch(profiles)
     except LaunchError as exc:

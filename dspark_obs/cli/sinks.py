@@ -65,7 +65,7 @@ def serve_command(
         console.print(f"[red]error:[/red] no store at {store} (set --store or $DSPARK_OBS_STORE)")
         raise typer.Exit(2)
 
-    prom = PrometheusSink(background=False)
+    prom = PrometheusSink(background=False, resuming=follow)  # see adopt_current below
     sinks = [prom]
     if otlp_configured(otlp_endpoint):
         sinks.append(OtelSink(otlp_endpoint, aggregator=prom.aggregator))
@@ -82,6 +82,11 @@ def serve_command(
     console.print(f"serving {server.url}/metrics and {server.url}/healthz (Ctrl-C stops)")
     try:
         if follower is not None:
+            try:  # the store's totals so far: resumed series, not new ones born at 0
+                follower.poll()
+            except Exception as exc:  # noqa: BLE001 - as in follower.run: report, keep serving
+                follower.problems.append(f"{type(exc).__name__}: {exc}")
+            prom.adopt_current()
             follower.run(stop)
         else:
             try:

@@ -8,12 +8,14 @@ query, 1 for anything else that went wrong.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime as dt
 import decimal
 import json
 import sys
 import warnings
+from collections.abc import Iterator
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -53,6 +55,23 @@ def _fail(message: str, code: int) -> typer.Exit:
     return typer.Exit(code)
 
 
+@contextlib.contextmanager
+def _notes() -> Iterator[None]:
+    """Print every StoreWarning raised inside (files left out of an answer, files set aside)
+    as one ``note:`` line on stderr, after the command's work."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", StoreWarning)
+        try:
+            yield
+        finally:
+            seen = set()
+            for w in caught:
+                text = str(w.message)
+                if issubclass(w.category, StoreWarning) and text not in seen:
+                    seen.add(text)
+                    Console(stderr=True).print(Text.assemble(("note: ", "yellow"), text))
+
+
 def _warn_missing(root: Path) -> None:
     if not root.exists():
         note = f"no store at {root} yet; the views are empty"
@@ -71,15 +90,12 @@ def query(
     """Run read-only SQL against the store (safe while a run is being written)."""
     _warn_missing(store)
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", StoreWarning)
+        with _notes():
             result = Store(store).query(sql)
     except QueryRefused as exc:
         raise _fail(str(exc), 2) from None
     except (StoreError, duckdb.Error) as exc:
         raise _fail(str(exc), 1) from None
-    for w in (w for w in caught if issubclass(w.category, StoreWarning)):
-        Console(stderr=True).print(Text.assemble(("note: ", "yellow"), str(w.message)))
     if fmt is Format.csv:
         _print_csv(result)
     elif fmt is Format.json:
@@ -97,7 +113,11 @@ def export(
     """Export every table (or one run) to Parquet files, one per table, in key order."""
     if not store.exists():
         raise _fail(f"no store at {store}", 1)
-    s = Store(store)
+    with _notes():
+        _export(Store(store), store, dest, run)
+
+
+def _export(s: Store, store: Path, dest: Path, run: str | None) -> None:
     try:
         if run is not None:
             known = s.query(
@@ -123,7 +143,8 @@ def store_info(
     if not store.exists():
         raise _fail(f"no store at {store}", 1)
     try:
-        info = Store(store).info()
+        with _notes():
+            info = Store(store).info()
     except (StoreError, duckdb.Error, OSError) as exc:
         raise _fail(str(exc), 1) from None
     if as_json:
@@ -151,7 +172,7 @@ def compact(
     if not store.exists():
         raise _fail(f"no store at {store}", 1)
     try:
-        with Store(store) as s:
+        with _notes(), Store(store) as s:
             done = s.compact(run_id=run)
     except (StoreError, duckdb.Error, OSError) as exc:
         raise _fail(str(exc), 1) from None

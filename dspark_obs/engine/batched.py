@@ -48,7 +48,7 @@ from dspark_obs.engine.model import Target
 from dspark_obs.engine.packed import drafter_extend, drafter_states, target_forward
 
 if TYPE_CHECKING:
-    from dspark_obs.engine.loop import GenRequest, RunResult
+    from dspark_obs.engine.types import GenRequest, RunResult
 
 __all__ = [
     "BATCH_TIERS",
@@ -63,7 +63,7 @@ __all__ = [
     "tier_of",
 ]
 
-BATCH_TIERS: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+BATCH_TIERS: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 """Running-request counts a graph is captured for (a batch pads up to the next one)."""
 
 TOKEN_TIERS: tuple[int, ...] = (
@@ -73,8 +73,11 @@ TOKEN_TIERS: tuple[int, ...] = (
     *range(144, 257, 16),
     *range(288, 513, 32),
     *range(576, 1025, 64),
+    *range(1152, 1537, 128),
 )
-"""Packed token counts a verify graph is captured for: fine steps where a step is cheap."""
+"""Packed token counts a verify graph is captured for: fine steps where a step is cheap, up to
+a full static step at batch 256 (256 x 6): a step past the largest tier runs eagerly, which at
+batch 256 cost more than the whole graphed step (bench/bench_step_profile.py)."""
 
 
 LENGTH_TIERS: tuple[int, ...] = (
@@ -523,7 +526,7 @@ class BatchedRuntime:
             tokens[idx], lps[idx], z[idx], conf[idx] = (
                 sub.tokens, sub.logprobs, sub.conf_logits, sub.confidence
             )
-            probs = base.new_zeros(batch, self.gamma, base.shape[-1])
+            probs = base.new_zeros(batch, self.gamma, sub.probs.shape[-1])  # whole vocabulary
             probs[idx] = sub.probs
         return DraftBlock(tokens, lps, probs, z, conf)
 
@@ -617,8 +620,10 @@ def shared_runtime(
     captured once; while it is busy (two engines at once on one target, e.g. two servers in
     one process) a private one is made, since each run needs its own slots. ``prefer`` (the
     caller's last runtime) comes back first when it is free and fits the same settings."""
+    vocab = drafter.draft_vocab if drafter is not None else None  # draft graphs bake it in
+    vocab_key = (vocab.data_ptr(), vocab.numel()) if vocab is not None and vocab.numel() else None
     key = (id(drafter), gamma, bool(cuda_graphs), bool(compiled), tuple(token_tiers),
-           tuple(batch_tiers))
+           tuple(batch_tiers), vocab_key)
     with _CACHE_LOCK:
         per_target = _CACHE.setdefault(target, {})
         rt = per_target.get(key)
@@ -661,7 +666,7 @@ def run_no_spec(
 ) -> RunResult:
     """Plain greedy decoding on the batched runtime (one token per request per step): the
     no-speculation baseline, served from a queue at ``max_batch`` concurrency."""
-    from dspark_obs.engine.loop import RunResult
+    from dspark_obs.engine.types import RunResult
 
     stops = frozenset(int(s) for s in stop_ids)
     need = max(len(r.prompt_ids) + r.max_new_tokens + 2 for r in requests)

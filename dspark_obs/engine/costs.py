@@ -14,9 +14,13 @@ The float arithmetic of the additive table follows SGLang's budget path operatio
 operation (``(bias + alpha) + theta``, theta interpolated between bracketing probes with the
 last segment used at the top end), so argmax ties resolve the same way as on a server.
 
-Validation is stricter than SGLang's in two places, both documented in the errors: NaN and
-infinite numbers are refused everywhere, and steps-per-sec values must be > 0 (SGLang would
-accept them and then predict an infinite step time).
+Validation is stricter than SGLang's, each case named in its error: NaN and infinite numbers
+are refused everywhere; steps-per-sec values must be > 0 (SGLang would accept them and then
+predict an infinite step time); every probe (``sample_batch_tokens``, ``bs_probes``,
+``m_probes``) must lie in 0..2**31, so a table with a negative probe is refused although
+SGLang 0.5.23 accepts it (its tables check only that probes strictly increase; a batch size or
+token count is never negative, so such a probe only shifts the interpolation); and an additive
+table that predicts a step time <= 0 anywhere a step can reach is refused.
 """
 
 from __future__ import annotations

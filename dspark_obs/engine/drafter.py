@@ -294,8 +294,14 @@ _BLOCK_FIELDS = ("tokens", "logprobs", "probs", "conf_logits", "confidence")
 
 
 def load_sts(path: str | Path) -> list[float]:
-    """Read SGLang's STS calibration JSON and validate ``temperatures`` (all finite, > 0)."""
-    data = json.loads(Path(path).read_text())
+    """Read SGLang's STS calibration JSON and validate ``temperatures`` (all finite, > 0).
+
+    Read with the project's bounded reader (size cap, nesting checked on the raw text), so
+    a damaged or hostile file is one clear ValueError, never a RecursionError.
+    """
+    from dspark_obs._jsonfile import read_json_file
+
+    data = read_json_file(path, ValueError)
     if not isinstance(data, dict) or "temperatures" not in data:
         raise ValueError(f"{path}: STS JSON needs a 'temperatures' list")
     temps = data["temperatures"]
@@ -346,6 +352,9 @@ class Drafter(nn.Module):
         )
         self.register_buffer("sts_temperatures", torch.ones(0), persistent=False)
         self.register_buffer("sts_greedy_temperatures", torch.ones(0), persistent=False)
+        # Token ids drafting may propose (empty: all); see set_draft_vocab.
+        self.register_buffer("draft_vocab", torch.zeros(0, dtype=torch.long), persistent=False)
+        self._draft_rows: tuple[tuple, Tensor, Tensor] | None = None
         self.reset_parameters()
 
     # -- init / target access -------------------------------------------------------------
@@ -386,6 +395,42 @@ class Drafter(nn.Module):
 
     def _logits(self, h: Tensor) -> Tensor:
         return _target_lm_head(self.target, h)
+
+    # -- reduced draft vocabulary ---------------------------------------------------------
+    def set_draft_vocab(self, ids: Sequence[int] | Tensor | None) -> None:
+        """Draft from these token ids only (None or empty: the whole vocabulary).
+
+        Why: the LM head over the whole vocabulary at every block position is most of a
+        draft's cost on a CPU. Lossless whatever the ids: greedy verification checks each
+        draft against the target's argmax, and rejection sampling is exact for any draft
+        distribution q as long as q is what the draft was sampled from; here q is the
+        softmax over the kept ids (zero elsewhere, which the residual distribution covers).
+        Only the acceptance rate can drop, when the drafter's favourite lies outside."""
+        vocab = self.cfg.vocab_size
+        t = torch.as_tensor([] if ids is None else ids, dtype=torch.long).reshape(-1)
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
+            raise ValueError(f"draft vocabulary ids must lie in 0..{vocab - 1}")
+        self.draft_vocab = torch.unique(t).to(self.fc.weight.device)
+        self._draft_rows = None
+
+    def _draft_weights(self) -> tuple[Tensor, Tensor]:
+        """(LM-head rows, Markov V rows) of the draft vocabulary, gathered once per change
+        of the weights, the ids, their device or dtype."""
+        head = self.target.output if getattr(self.target, "output", None) is not None else None
+        weight = head.weight if head is not None else self.target.tok_embeddings.weight
+        ids = self.draft_vocab
+        key = (weight.data_ptr(), weight._version, weight.dtype, self.markov_v.data_ptr(),
+               self.markov_v._version, self.markov_v.dtype, ids.data_ptr(), ids.numel())
+        if self._draft_rows is None or self._draft_rows[0] != key:
+            self._draft_rows = (key, weight[ids].contiguous(), self.markov_v[ids].contiguous())
+        return self._draft_rows[1], self._draft_rows[2]
+
+    def draft_logits(self, h: Tensor) -> Tensor:
+        """Base logits of drafting [.., V'] (V' = the draft vocabulary's size, or V)."""
+        if not self.draft_vocab.numel():
+            return self._logits(h)
+        w, _ = self._draft_weights()
+        return F.linear(h.to(w.dtype), w)
 
     # -- shared pieces ---------------------------------------------------------------------
     def project_context(self, hidden: Tensor) -> Tensor:
@@ -573,7 +618,7 @@ class Drafter(nn.Module):
         for li, layer in enumerate(self.layers):
             x = layer(x, pos, ctx_k[li], ctx_v[li], mask)
         h = self._final_norm(x[:, :gamma])
-        base = self._logits(h).float()  # [B, gamma, V]
+        base = self.draft_logits(h).float()  # [B, gamma, V'] (V' = the draft vocabulary)
         return self.chain(h, base, anc, temps.to(dev), generator)
 
     def chain(
@@ -588,8 +633,9 @@ class Drafter(nn.Module):
         all_greedy: bool | None = None,
     ) -> DraftBlock:
         """Left-to-right Markov recursion over a block's states: the drafts, their exact q_k
-        rows and the confidences. h [B, g, d] final-normed states, base [B, g, V] float logits,
-        anchors [B], temps [B] (<= 0: greedy), on h's device.
+        rows and the confidences. h [B, g, d] final-normed states, base [B, g, V'] float
+        logits from :meth:`draft_logits`, anchors [B], temps [B] (<= 0: greedy), on h's
+        device. ``probs`` are always over the whole vocabulary.
 
         ``sts`` [B, g] (the regime's STS temperatures per row) and ``all_greedy`` let a caller
         that cannot sync with the host (a CUDA graph capture) pass what would be looked up.
@@ -604,16 +650,22 @@ class Drafter(nn.Module):
         if all_greedy is None:
             all_greedy = bool(greedy.all())
         tsafe = torch.where(greedy, torch.ones_like(temps), temps)
+        ids = self.draft_vocab if self.draft_vocab.numel() else None
+        mv = self.markov_v if ids is None else self._draft_weights()[1]
         toks, lps, probs, zs = [], [], [], []
         prev = anchors
         for k in range(gamma):
-            lg, u = self._markov(base[:, k], prev)
+            u = self.markov_u(prev)
+            lg = base[:, k].float() + (u @ mv.t()).float()
             zs.append(self._conf(h[:, k], u))
             q = torch.softmax(lg / tsafe[:, None], -1)
-            tok = lg.argmax(-1)
+            tok = lg.argmax(-1)  # an index into the draft vocabulary (== the id without one)
             if not all_greedy:
                 tok = torch.where(greedy, tok, _sample_rows(q, generator, greedy))
             p_tok = q.gather(1, tok[:, None])[:, 0]
+            if ids is not None:
+                tok = ids[tok]
+                q = q.new_zeros(q.shape[0], self.cfg.vocab_size).index_copy_(1, ids, q)
             toks.append(tok)
             lps.append(torch.log(p_tok.clamp_min(1e-30)))
             probs.append(q)

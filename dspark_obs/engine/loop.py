@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -61,95 +62,53 @@ from dspark_obs.engine.censored import (
     resolve,
     resolve_block,
 )
-from dspark_obs.engine.costs import CostTable
 from dspark_obs.engine.drafter import DraftBlock, Drafter, DrafterCache
 from dspark_obs.engine.model import KVCache, Target
 from dspark_obs.engine.scheduler import Scheduler
-from dspark_obs.schema import MODES
+from dspark_obs.engine.types import (  # re-exported: callers import them from here
+    BACKENDS,
+    ESTIMATOR_ROWS,
+    MASKED_LOGIT,
+    Emit,
+    EngineConfig,
+    EngineError,
+    GenRequest,
+    OnTokens,
+    RequestSource,
+    RunResult,
+)
 
-BACKENDS = ("auto", "batched", "reference")
-"""``batched``: the slot-pool runtime (one attention call per layer for the whole batch, CUDA
-graphs on a GPU; :mod:`dspark_obs.engine.batched`). ``reference``: per-request caches and
-attention (the readable model of the algorithm). ``auto``: ``batched`` on a GPU,
-``reference`` on the CPU, where it measured faster at small batches (README)."""
+__all__ = [
+    "BACKENDS",
+    "ESTIMATOR_ROWS",
+    "MASKED_LOGIT",
+    "Emit",
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "GenRequest",
+    "OnTokens",
+    "RequestSource",
+    "RunResult",
+]
 
-ESTIMATOR_ROWS = ("all", "sglang")
-"""``all``: estimator fields on every sampling setting (exact: log p of the processed
-target distribution). ``sglang``: none on greedy or top-k / top-p rows, as SGLang's recorder."""
+
+def _mask_stops(logits: torch.Tensor, rows: int, stops: frozenset[int]) -> torch.Tensor:
+    """``logits`` with the stop ids of its first ``rows`` rows set to ``MASKED_LOGIT`` (a copy:
+    batched step outputs are static buffers). Applied to the target rows before acceptance,
+    so greedy verification and rejection sampling both stay exact for the masked target."""
+    if rows <= 0 or not stops:
+        return logits
+    out = logits.clone()
+    ids = torch.tensor(sorted(stops), device=logits.device)
+    out[:rows, ids] = MASKED_LOGIT
+    return out
 
 
 def _run_pending(pending: list[Callable[[], None]]) -> None:
     """Run queued record work in order (a step's records, then the next step's)."""
     while pending:
         pending.pop(0)()
-
-
-class EngineError(ValueError):
-    """Bad engine input (mode, gamma, prompt...): raised before anything is written."""
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """How to run DSpark. ``cost_table=None`` verifies every draft (SGLang's default)."""
-
-    mode: str = "compact"
-    gamma: int = 5
-    lag_steps: int = 2
-    max_batch: int = 16
-    cost_table: CostTable | None = None
-    dp_rank: int = 0
-    flush_every: int = 32  # steps buffered before records are handed to the sinks ...
-    flush_seconds: float = 1.0  # ... or this long since the last hand-over, whichever first
-    estimator_rows: str = "all"  # see ESTIMATOR_ROWS
-    backend: str = "auto"  # see BACKENDS
-    cuda_graphs: bool = True  # batched backend on CUDA: replay captured graphs
-    overlap: bool = True  # build step k's records while the device drafts step k + 1
-    compile: bool = False  # batched backend: fuse each layer's dense pieces (torch.compile)
-    capture_graphs: bool = False  # capture every decode-step CUDA graph before the first step
-    token_tiers: tuple[int, ...] | None = None  # packed-token counts graphs are captured for
-    batch_tiers: tuple[int, ...] | None = None  # running-request counts likewise
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise EngineError(f"unknown mode {self.mode!r}; expected one of {list(MODES)}")
-        if self.gamma < 1:
-            raise EngineError(f"gamma must be >= 1, got {self.gamma}")
-        if self.max_batch < 1:
-            raise EngineError(f"max_batch must be >= 1, got {self.max_batch}")
-        if self.lag_steps < 0:
-            raise EngineError(f"lag_steps must be >= 0, got {self.lag_steps}")
-        if self.flush_every < 1:
-            raise EngineError(f"flush_every must be >= 1, got {self.flush_every}")
-        if not (math.isfinite(self.flush_seconds) and self.flush_seconds > 0):
-            raise EngineError(f"flush_seconds must be finite and > 0, got {self.flush_seconds}")
-        if self.backend not in BACKENDS:
-            raise EngineError(f"unknown backend {self.backend!r}; expected one of {list(BACKENDS)}")
-        for name in ("token_tiers", "batch_tiers"):
-            tiers = getattr(self, name)
-            if tiers is not None and (not tiers or min(tiers) < 1):
-                raise EngineError(f"{name} must be positive counts, got {tiers}")
-        if self.estimator_rows not in ESTIMATOR_ROWS:
-            raise EngineError(
-                f"unknown estimator_rows {self.estimator_rows!r}; expected one of "
-                f"{list(ESTIMATOR_ROWS)}"
-            )
-
-
-@dataclass
-class GenRequest:
-    """One request to run: already-tokenized prompt plus its sampling settings."""
-
-    rid: str
-    prompt_ids: list[int]
-    max_new_tokens: int
-    workload: str | None = None
-    prompt: str | None = None
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int = 0
-    arrival_step: int = 0
-    ignore_eos: bool = False  # run to max_new_tokens (SGLang's sampling_params.ignore_eos)
 
 
 @dataclass
@@ -167,6 +126,17 @@ class _Live:
     first_token_time: float
     censored: list[Censored] = field(default_factory=list)
     slot: int = -1  # batched backend: the pool slot (== index in the running batch)
+    stops: frozenset[int] = frozenset()  # the engine's EOS ids + the request's stop ids
+
+    def masked_rows(self, rows: int) -> int:
+        """How many of the next ``rows`` output positions still fall under
+        ``min_new_tokens`` (row j produces output token ``len(output) + j``)."""
+        return max(0, min(rows, self.req.min_new_tokens - len(self.output)))
+
+    def stops_at(self, token: int) -> bool:
+        """Whether committing ``token`` finishes the request (SGLang: ``ignore_eos`` turns
+        every stop id off, the request's own included)."""
+        return token in self.stops and not self.req.ignore_eos
 
     @property
     def greedy(self) -> bool:
@@ -175,38 +145,6 @@ class _Live:
     @property
     def truncated(self) -> bool:
         return is_truncated(self.req.top_p, self.req.top_k)
-
-
-@dataclass
-class RunResult:
-    """What a run produced, for the caller's summary line."""
-
-    run_id: str
-    steps: int = 0
-    requests: int = 0
-    committed_tokens: int = 0
-    target_tokens: int = 0
-    seconds: float = 0.0
-    outputs: dict[str, list[int]] = field(default_factory=dict)
-    times: dict[str, tuple[float, float]] = field(default_factory=dict)
-    """Per request ``(first token, finish)`` on ``time.perf_counter`` (no-spec runs; engine
-    runs carry wall-clock times in their ``requests`` rows)."""
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.committed_tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-Emit = Callable[[str, list[dict[str, Any]]], Any]
-
-RequestSource = Callable[[bool], "Sequence[GenRequest] | None"]
-"""Polled once per loop iteration by a long-running :meth:`Engine.run` (a server): called
-with ``idle=True`` when nothing is running (it may block until requests arrive), returns new
-requests (admitted at the current step), or None once closed (the run then drains)."""
-
-OnTokens = Callable[[str, list[int]], Any]
-"""Called with a request's id and the tokens it just committed (the prefill token, then each
-step's), for streaming; the request's ``requests`` row marks its end."""
 
 
 class Engine:
@@ -218,7 +156,9 @@ class Engine:
         drafter: Drafter,
         config: EngineConfig,
         stop_ids: Sequence[int] = (),
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        """``clock`` times the record hand-overs (``flush_seconds``); tests inject one."""
         if config.gamma > drafter.cfg.gamma_max:
             limit = drafter.cfg.gamma_max
             raise EngineError(f"gamma={config.gamma} exceeds the drafter's trained maximum {limit}")
@@ -226,10 +166,29 @@ class Engine:
         self.drafter = drafter
         self.cfg = config
         self.stop_ids = frozenset(int(t) for t in stop_ids)
+        self.clock = clock
         self.scheduler = Scheduler(config.cost_table, config.gamma, config.lag_steps)
         self._on_tokens: OnTokens | None = None
         self._runtime: Any = None  # BatchedRuntime, made on the first run (batched backend)
         self._sts_rows: tuple[np.ndarray, np.ndarray] = (np.ones(0), np.ones(0))
+        self._cancel_lock = threading.Lock()
+        self._cancels: set[str] = set()
+
+    def cancel(self, rid: str) -> None:
+        """Abort request ``rid`` (thread-safe; any thread, e.g. a server's on a disconnect).
+
+        The running loop applies it at its next step boundary: a waiting request, or a
+        running one (its slot is freed), finishes with reason ``"abort"`` (SGLang's
+        ``FINISH_ABORT``) and keeps the tokens it committed. A request handed to the loop's
+        ``source`` before this call is found even if the loop has not polled it yet; an id the
+        loop does not know then (finished, never submitted) is forgotten."""
+        with self._cancel_lock:
+            self._cancels.add(str(rid))
+
+    def _take_cancels(self) -> set[str]:
+        with self._cancel_lock:
+            taken, self._cancels = self._cancels, set()
+        return taken
 
     # ------------------------------------------------------------------ public
 
@@ -271,6 +230,13 @@ class Engine:
             vocab = self.target.cfg.vocab_size
             if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= vocab:
                 raise EngineError(f"request {r.rid!r}: prompt token id outside 0..{vocab - 1}")
+            if any(not 0 <= int(t) < vocab for t in r.stop_token_ids):
+                raise EngineError(f"request {r.rid!r}: stop token id outside 0..{vocab - 1}")
+            if not 0 <= r.min_new_tokens <= r.max_new_tokens:
+                raise EngineError(
+                    f"request {r.rid!r}: min_new_tokens must be in [0, max_new_tokens"
+                    f"({r.max_new_tokens})], got {r.min_new_tokens}"
+                )
 
     def run(
         self,
@@ -287,6 +253,7 @@ class Engine:
         (optional) feeds requests that arrive while the run goes on; ``on_tokens`` streams.
         """
         self.check(requests)
+        self._take_cancels()  # cancels left from an earlier run must not hit this one's ids
         self._on_tokens = on_tokens
         self.scheduler.relay.reset()
         waiting = sorted(requests, key=lambda r: (r.arrival_step, r.rid))
@@ -312,7 +279,7 @@ class Engine:
         result = RunResult(run_id)
         tokens_before = self.target.tokens_processed
         t_start = time.perf_counter()
-        last_flush = t_start
+        last_flush = self.clock()
         fct = 0
         pending: list[Callable[[], None]] = []  # record work of the last step (overlapped)
 
@@ -326,8 +293,16 @@ class Engine:
         def settle() -> None:
             _run_pending(pending)
 
+        def drop(req: GenRequest) -> None:  # a waiting request aborted before admission
+            buf["requests"].append(self._waiting_row(req, run_id))
+            result.outputs[req.rid] = []
+            result.requests += 1
+            if progress:
+                progress(1)
+
         with torch.inference_mode():
             while waiting or running or source is not None:
+                cancels = self._take_cancels()  # before the poll: see cancel()
                 if source is not None:
                     idle = not waiting and not running
                     if idle:
@@ -342,8 +317,10 @@ class Engine:
                         for r in new:
                             r.arrival_step = fct
                         waiting = sorted([*waiting, *new], key=lambda r: (r.arrival_step, r.rid))
-                    if not waiting and not running:
-                        continue
+                if cancels:
+                    waiting = self._abort(cancels, waiting, running, settle, finish, drop)
+                if not waiting and not running:
+                    continue
                 arrived = []
                 while (
                     waiting
@@ -356,7 +333,7 @@ class Engine:
                     result.committed_tokens += 1  # the first token comes from the prefill
                     if self._on_tokens is not None:
                         self._on_tokens(live.req.rid, [live.anchor])
-                    if live.anchor in self.stop_ids and not live.req.ignore_eos:
+                    if live.stops_at(live.anchor):
                         self._release(live, [*running, *kept])  # highest slot first: safe
                         finish(live, "stop")
                     elif live.req.max_new_tokens == 1:
@@ -378,7 +355,7 @@ class Engine:
                     settle()
                 result.steps += 1
                 fct += 1
-                now = time.perf_counter()
+                now = self.clock()
                 if result.steps % cfg.flush_every == 0 or now - last_flush >= cfg.flush_seconds:
                     settle()
                     self._flush(emit, buf)
@@ -475,13 +452,19 @@ class Engine:
             rows, argmax = [], []
             for r in reqs:
                 max_len = len(r.prompt_ids) + r.max_new_tokens + self.cfg.gamma + 2
-                cache = self.target.new_cache(max_len)
+                # check() admits need <= context: never allocate past it (the batched pool
+                # clamps the same way), or a request at the edge fails after its runs row.
+                cache = self.target.new_cache(min(max_len, self.target.cfg.max_position))
                 out = self.target.prefill(r.prompt_ids, cache, self.drafter.hidden_layers)
                 rows.append((out.logits[0][-1], out.hidden[0], cache, -1))
                 argmax.append(int(torch.argmax(out.logits[0][-1])))
         lives = []
         for req, (logits_row, hidden, cache, slot), top in zip(reqs, rows, argmax, strict=True):
             gen = torch.Generator(device="cpu").manual_seed(int(req.seed))
+            stops = self.stop_ids | frozenset(int(t) for t in req.stop_token_ids)
+            if req.min_new_tokens > 0:  # the first token is output token 0: masked
+                logits_row = _mask_stops(logits_row[None], 1, stops)[0]
+                top = int(torch.argmax(logits_row))
             first = self._sample(logits_row, req, gen, top)
             if rt is not None:
                 rt.set_anchor(slot, first)
@@ -497,9 +480,33 @@ class Engine:
                     arrival_time=arrival,
                     first_token_time=time.time(),
                     slot=slot,
+                    stops=stops,
                 )
             )
         return lives
+
+    def _abort(
+        self,
+        rids: set[str],
+        waiting: list[GenRequest],
+        running: list[_Live],
+        settle: Callable[[], None],
+        finish: Callable[[_Live, str], None],
+        drop: Callable[[GenRequest], None],
+    ) -> list[GenRequest]:
+        """Finish the cancelled requests with reason ``"abort"``: running ones free their
+        slot (after the records still pending for them); returns the waiting list left."""
+        for req in waiting:
+            if req.rid in rids:
+                drop(req)
+        hit = [live for live in running if live.req.rid in rids]
+        if hit:
+            settle()
+            for live in sorted(hit, key=lambda d: -d.slot):  # highest slot first
+                running.remove(live)
+                self._release(live, running)
+                finish(live, "abort")
+        return [r for r in waiting if r.rid not in rids]
 
     def _release(self, live: _Live, running: list[_Live]) -> None:
         """Give a finished request's slot back; the request moved into it takes its number
@@ -583,6 +590,12 @@ class Engine:
         if events:
             events[3].record()
         t_verify = time.perf_counter()
+        for i, live in enumerate(running):  # min_new_tokens: stop ids masked in the target
+            k = live.masked_rows(int(send[i]))
+            if k:
+                all_logits[i] = _mask_stops(all_logits[i], k, live.stops)
+                if preds is not None:
+                    preds[i] = all_logits[i].argmax(-1).cpu().numpy()
 
         done: list[_Live] = []
         outcomes: list[tuple[AcceptResult, list[int], list[int], str | None]] = []
@@ -612,7 +625,7 @@ class Engine:
             remaining = req.max_new_tokens - len(live.output)
             cut, reason = len(full), None
             for j, tok in enumerate(full):
-                if tok in self.stop_ids and not req.ignore_eos:
+                if live.stops_at(tok):
                     cut, reason = j + 1, "stop"
                     break
             if cut > remaining or (reason is None and cut == remaining):
@@ -885,6 +898,29 @@ class Engine:
     @property
     def _timed_device(self) -> bool:
         return self.target.device.type == "cuda"
+
+    def _waiting_row(self, req: GenRequest, run_id: str) -> dict[str, Any]:
+        """The ``requests`` row of a request aborted before it was admitted (no tokens)."""
+        now = time.time()
+        return {
+            "run_id": run_id,
+            "rid": req.rid,
+            "dp_rank": self.cfg.dp_rank,
+            "workload": req.workload,
+            "prompt": req.prompt,
+            "prompt_tokens": len(req.prompt_ids),
+            "output_tokens": [],
+            "completion_tokens": 0,
+            "finish_reason": "abort",
+            "max_new_tokens": req.max_new_tokens,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_k": req.top_k,
+            "seed": req.seed,
+            "arrival_time": now,
+            "first_token_time": None,
+            "finish_time": now,
+        }
 
     def _request_row(self, live: _Live, run_id: str, reason: str) -> dict[str, Any]:
         req = live.req

@@ -187,4 +187,4 @@ def drafter_states(
         hn = layer.post_norm(x)
         x = x + layer.down(F.silu(layer.gate(hn)) * layer.up(hn))
     h = drafter._final_norm(x[:, :gamma])
-    return h, drafter._logits(h).float()
+    return h, drafter.draft_logits(h).float()

@@ -113,7 +113,7 @@ def run_with_companion(
         )
     engine = Engine(models.target, models.drafter, config, models.stop_ids)
     engine.check(requests)
-    fan = FanOut(sinks)
+    fan = FanOut(sinks, threaded=True)  # every sink writes on its own thread (bounded queue)
     temps = {r.temperature for r in requests}
     temperature = temps.pop() if len(temps) == 1 else None
     cfg_json = {
@@ -149,13 +149,18 @@ def run_with_companion(
 
         return eng.run(requests, fan.emit, rid, tick)
 
-    main = one(engine, run_id, None)
     comp = None
-    if companion:
-        cap = Engine(
-            models.target, models.drafter, replace(config, mode="cap-accept"), models.stop_ids
-        )
-        comp = one(cap, f"{run_id}-cap", run_id)
+    try:
+        main = one(engine, run_id, None)
+        if companion:
+            cap = Engine(
+                models.target, models.drafter, replace(config, mode="cap-accept"), models.stop_ids
+            )
+            comp = one(cap, f"{run_id}-cap", run_id)
+    finally:
+        # Every emitted batch acknowledged and the sink threads stopped; the sinks stay open
+        # for the caller (which compacts and closes them). Raises SinkError if a sink failed.
+        fan.join()
     return main, comp, fan
 
 

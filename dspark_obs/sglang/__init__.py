@@ -1,7 +1,10 @@
 """SGLang integration: speak SGLang 0.5.23's DSpark surfaces in both directions.
 
 * :mod:`~dspark_obs.sglang.collector` attaches to a running server (step dump, estimator
-  JSONL, /metrics) and stores what it emits; :func:`ingest_dump` stores a saved dump.
+  JSONL, /metrics) and stores what it emits; :mod:`~dspark_obs.sglang.ranks` decides from
+  the data which DP rank a reply is, what is new, restarts and lost ranges;
+  :mod:`~dspark_obs.sglang.fleet` reads ``--targets`` files and exposes per-target counters;
+  :func:`ingest_dump` stores a saved dump.
 * :mod:`~dspark_obs.sglang.engine_server` serves the embedded engine with SGLang's HTTP API.
 * :mod:`~dspark_obs.sglang.drive` sends one seeded workload to a server and its companion.
 * :mod:`~dspark_obs.sglang.profiles` builds the launch command lines of both servers.

@@ -53,13 +53,22 @@ def drive(
         info = client.server_info()
         done = None if on_done is None else (lambda r, run=target.run_id: on_done(run, r))
         load = run_load(
-            client, requests, concurrency=concurrency, request_rate=request_rate, warmup=0,
-            seed=seed, on_done=done,
+            client,
+            requests,
+            concurrency=concurrency,
+            request_rate=request_rate,
+            warmup=0,
+            seed=seed,
+            on_done=done,
         )
         summary = summarize(request_frame(load.results, load.start_clock), load.duration)
         _, rows = bench_records(
-            target.run_id, list(requests), load.results, summary,
-            {"url": target.url, "api": api, "seed": seed}, server_meta(info),
+            target.run_id,
+            list(requests),
+            load.results,
+            summary,
+            {"url": target.url, "api": api, "seed": seed},
+            server_meta(info),
         )
         fan.emit("requests", rows)
         out[target.run_id] = load.results

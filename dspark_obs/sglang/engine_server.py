@@ -14,35 +14,42 @@ The verify mode is chosen per server as SGLang chooses it: ``SGLANG_RAGGED_VERIF
 from ``SGLANG_DSPARK_CONFIDENCE_RELAY_LAG_STEPS``, the dump components from
 ``SGLANG_DSPARK_DEBUG_DUMP`` and the estimator file from
 ``SGLANG_DSPARK_BLOCK_ACCEPT_ESTIMATE_PATH`` likewise. Binds 127.0.0.1 by default.
+
+HTTP is uvicorn + FastAPI, as SGLang serves it: the routes and request models live in
+:mod:`~dspark_obs.sglang.http_app` / :mod:`~dspark_obs.sglang.http_models`, the cost bounds
+in :mod:`~dspark_obs.sglang.http_limits`, the connection rules (JSON protocol errors,
+connection cap, request deadline) in :mod:`~dspark_obs.sglang.http_protocol`.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import socket
 import threading
-import time
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import msgspec
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
 from dspark_obs.engine.costs import CostTable
-from dspark_obs.engine.loop import Engine, EngineConfig, EngineError, GenRequest
+from dspark_obs.engine.loop import Engine, EngineConfig
 from dspark_obs.schema import MODES
 from dspark_obs.sglang.codec import ByteCodec, Codec, TokenizerCodec
+from dspark_obs.sglang.http_limits import HttpLimits
 from dspark_obs.sglang.records import COMPONENTS, MAX_RECORDS
-from dspark_obs.sglang.service import EngineService, FinishedRequest, ServiceConfig
+from dspark_obs.sglang.service import EngineService, ServiceConfig
 
-__all__ = ["EngineServer", "ServerOptions", "build_service", "resolve_components", "resolve_mode"]
+__all__ = [
+    "EngineServer",
+    "HttpLimits",
+    "ServerOptions",
+    "build_service",
+    "resolve_components",
+    "resolve_mode",
+]
 
-VERSION = "0.5.23"  # the SGLang surface this server speaks
-MAX_BODY = 64 << 20
+LISTEN_BACKLOG = 1024
+GRACEFUL_SHUTDOWN_S = 5
 
 
 class ServerError(ValueError):
@@ -92,6 +99,10 @@ class ServerOptions:
     max_records: int = MAX_RECORDS
     estimator_path: Path | None = None
     run_id: str = "serve"
+    max_inflight: int | None = None  # generations queued or running (None: 8 x max_batch)
+    max_connections: int = 512
+    request_timeout_s: float = 30.0  # to receive a whole request
+    max_body_bytes: int | None = None  # None: derived from the context (HttpLimits)
 
 
 def tiny_models(seed: int = 0, gamma_max: int = 7) -> Any:
@@ -142,8 +153,13 @@ def build_service(opts: ServerOptions, env: Mapping[str, str] = os.environ) -> E
         codec = TokenizerCodec(models.tokenizer)
         table = load_cost_table(opts.cost_table, opts.device)
     config = EngineConfig(
-        mode=mode, gamma=opts.gamma, lag_steps=lag, max_batch=opts.max_batch,
-        cost_table=table, flush_every=1, estimator_rows="sglang",
+        mode=mode,
+        gamma=opts.gamma,
+        lag_steps=lag,
+        max_batch=opts.max_batch,
+        cost_table=table,
+        flush_every=1,
+        estimator_rows="sglang",
         compile=opts.device.startswith("cuda"),
     )
     engine = Engine(models.target, models.drafter, config, models.stop_ids)
@@ -158,390 +174,104 @@ def build_service(opts: ServerOptions, env: Mapping[str, str] = os.environ) -> E
 
 
 class EngineServer:
-    """A ThreadingHTTPServer around an EngineService; ``serve_forever`` or ``start``."""
+    """uvicorn serving the FastAPI app of :mod:`~dspark_obs.sglang.http_app` around an
+    EngineService; ``serve_forever`` (the CLI) or ``start`` (a background thread).
 
-    def __init__(self, service: EngineService, host: str = "127.0.0.1", port: int = 30000):
+    The socket is bound here, so a bad address fails before anything runs and ``url`` is
+    known at once (port 0 picks a free one)."""
+
+    def __init__(
+        self,
+        service: EngineService,
+        host: str = "127.0.0.1",
+        port: int = 30000,
+        limits: HttpLimits | None = None,
+    ) -> None:
+        import uvicorn
+
+        from dspark_obs.sglang.http_app import build_app
+        from dspark_obs.sglang.http_protocol import guarded_protocol
+
         self.service = service
-        handler = type("Handler", (_Handler,), {"service": service})
-        self.httpd = ThreadingHTTPServer((host, port), handler)
-        self.httpd.daemon_threads = True
+        self.limits = limits or HttpLimits.for_service(service)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._socket = socket.socket(family, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._socket.bind((host, port))
+            self._socket.listen(LISTEN_BACKLOG)
+        except OSError:
+            self._socket.close()
+            raise
+        lim = self.limits
+        config = uvicorn.Config(
+            build_app(service, lim),
+            http=guarded_protocol(lim.max_connections, lim.request_timeout_s),
+            ws="none",
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            timeout_keep_alive=int(max(1, lim.keep_alive_s)),
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            server_header=False,
+            date_header=False,
+        )
+        self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
-        host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        host, port = self._socket.getsockname()[:2]
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    @property
+    def httpd(self) -> EngineServer:
+        """Callers of the old http.server handle stop it with ``server.httpd.shutdown()``."""
+        return self
 
     def start(self) -> EngineServer:
         """Start the engine and serve in a background thread (for tests and embedding)."""
         self.service.start()
-        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="engine-server", daemon=True)
         self._thread.start()
         return self
 
     def serve_forever(self) -> None:
+        """Serve in this thread until shutdown() or SIGINT/SIGTERM (uvicorn's handlers)."""
         self.service.start()
         try:
-            self.httpd.serve_forever()
+            self._serve()
         finally:
             self.close()
 
+    def _serve(self) -> None:
+        self._server.run(sockets=[self._socket])
+
+    def shutdown(self) -> None:
+        """Ask the server to stop (any thread); in-flight responses get a grace period."""
+        self._server.should_exit = True
+
     def close(self) -> None:
-        if self._thread is not None:  # serve_forever() in our own thread: stop it
-            self.httpd.shutdown()
-        self.httpd.server_close()
+        self.shutdown()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(GRACEFUL_SHUTDOWN_S + 10)
+        self._socket.close()
         self.service.close()
-
-
-# ---------------------------------------------------------------- HTTP
-
-
-class _BadRequest(ValueError):
-    pass
-
-
-class _Handler(BaseHTTPRequestHandler):
-    service: EngineService
-    protocol_version = "HTTP/1.1"
-    server_version = "dspark-obs-engine-server"
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib name
-        pass
-
-    # -------------------------------------------------------------- plumbing
-
-    def _send(self, status: int, body: bytes, ctype: str = "application/json") -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _json(self, obj: Any, status: int = 200) -> None:
-        self._send(status, msgspec.json.encode(obj))
-
-    def _error(self, status: int, message: str) -> None:
-        kind = "invalid_request_error" if status < 500 else "server_error"
-        self._json({"error": {"message": message, "type": kind, "code": status}}, status)
-
-    def _body(self) -> Any:
-        n = int(self.headers.get("Content-Length") or 0)
-        if n > MAX_BODY:
-            raise _BadRequest(f"request body of {n} bytes exceeds {MAX_BODY}")
-        raw = self.rfile.read(n) if n else b""
-        if not raw:
-            return {}
-        try:
-            return json.loads(raw)
-        except ValueError as exc:
-            raise _BadRequest(f"request body is not JSON: {exc}") from None
-
-    def _start_sse(self) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.close_connection = True
-
-    def _sse(self, obj: Any) -> None:
-        data = obj if isinstance(obj, bytes) else msgspec.json.encode(obj)
-        self.wfile.write(b"data: " + data + b"\n\n")
-        self.wfile.flush()
-
-    # -------------------------------------------------------------- routes
-
-    def do_GET(self) -> None:  # noqa: N802 - stdlib name
-        path = self.path.split("?", 1)[0]
-        svc = self.service
-        if path in ("/health", "/health_generate"):
-            self._send(200 if svc.healthy else 503, b"")
-        elif path in ("/server_info", "/get_server_info"):
-            self._json(_server_info(svc))
-        elif path == "/metrics":
-            self._send(200, generate_latest(svc.registry), CONTENT_TYPE_LATEST)
-        elif path == "/v1/models":
-            name = svc.config.model_name
-            self._json({"object": "list", "data": [
-                {"id": name, "object": "model", "created": int(svc.startup_time),
-                 "owned_by": "dspark-obs", "root": name}]})
-        elif path == "/model_info":
-            self._json({"model_path": svc.config.model_name, "is_generation": True})
-        elif path == "/flush_cache":
-            self._send(200, b"Cache flushed.\n", "text/plain")
-        else:
-            self._error(404, f"no route {path}")
-
-    def do_POST(self) -> None:  # noqa: N802 - stdlib name
-        path = self.path.split("?", 1)[0]
-        try:
-            body = self._body()
-            if path == "/generate":
-                self._generate(body)
-            elif path == "/v1/chat/completions":
-                self._chat(body)
-            elif path == "/set_internal_state":
-                self._json({"updated": _set_internal_state(self.service, body)})
-            elif path == "/flush_cache":
-                self._send(200, b"Cache flushed.\n", "text/plain")
-            else:
-                self._error(404, f"no route {path}")
-        except (_BadRequest, EngineError) as exc:
-            self._error(400, str(exc))
-        except (BrokenPipeError, ConnectionResetError):
-            pass
-
-    do_PUT = do_POST  # noqa: N815 - SGLang accepts PUT on /generate and /set_internal_state
-
-    # -------------------------------------------------------------- /generate
-
-    def _generate(self, body: Any) -> None:
-        if not isinstance(body, dict):
-            raise _BadRequest("the request body must be a JSON object")
-        svc = self.service
-        if "input_ids" in body and body["input_ids"] is not None:
-            ids = body["input_ids"]
-            if not isinstance(ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in ids
-            ):
-                raise _BadRequest("input_ids must be one list of token ids (batches: send each)")
-        elif isinstance(body.get("text"), str):
-            ids = svc.codec.encode(body["text"])
-        else:
-            raise _BadRequest("give 'text' (a string) or 'input_ids' (a list of ints)")
-        sp = body.get("sampling_params") or {}
-        if not isinstance(sp, dict):
-            raise _BadRequest("sampling_params must be an object")
-        req = _gen_request(svc, ids, sp, body.get("rid"), sp.get("sampling_seed"))
-        handle = svc.submit(req)
-        if not body.get("stream"):
-            done = _wait(handle)
-            self._json(_generate_out(svc, done))
-            return
-        self._start_sse()
-        while True:
-            event = handle.events.get()
-            if isinstance(event, Exception):
-                self._sse({"error": {"message": str(event), "type": "server_error"}})
-                break
-            if isinstance(event, FinishedRequest):
-                self._sse(_generate_out(svc, event))
-                break
-            self._sse({
-                "text": svc.codec.decode(handle.output),
-                "output_ids": list(handle.output),
-                "meta_info": {"id": req.rid, "finish_reason": None,
-                              "prompt_tokens": len(ids),
-                              "completion_tokens": len(handle.output)},
-            })
-        self._sse(b"[DONE]")
-
-    # -------------------------------------------------------------- chat
-
-    def _chat(self, body: Any) -> None:
-        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-            raise _BadRequest("a chat request needs 'messages' (a list)")
-        if int(body.get("n") or 1) != 1:
-            raise _BadRequest("only n = 1 is supported")
-        svc = self.service
-        ids = svc.codec.chat(body["messages"])
-        sp = {
-            "max_new_tokens": body.get("max_completion_tokens") or body.get("max_tokens"),
-            "temperature": body.get("temperature", 1.0),
-            "top_p": body.get("top_p", 1.0),
-            "top_k": body.get("top_k", -1),
-            "ignore_eos": body.get("ignore_eos", False),
-        }
-        req = _gen_request(svc, ids, sp, body.get("rid"), body.get("seed"))
-        handle = svc.submit(req)
-        want_spec = bool(body.get("return_spec_tokens_details"))
-        cid = f"chatcmpl-{req.rid}"
-        created = int(time.time())
-        model = body.get("model") or svc.config.model_name
-        if not body.get("stream"):
-            done = _wait(handle)
-            out: dict[str, Any] = {
-                "id": cid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{
-                    "index": 0,
-                    "message": {"role": "assistant", "content": svc.codec.decode(done.output_ids)},
-                    "finish_reason": done.meta_info["finish_reason"]["type"],
-                }],
-                "usage": _usage(done),
-            }
-            ext = _sglext(body, done, want_spec)
-            if ext:
-                out["sglext"] = ext
-            self._json(out)
-            return
-        self._start_sse()
-        chunk = {"id": cid, "object": "chat.completion.chunk", "created": created,
-                 "model": model}
-        self._sse({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant",
-                                                                "content": ""},
-                                         "finish_reason": None}]})
-        sent = ""
-        opts = body.get("stream_options") or {}
-        while True:
-            event = handle.events.get()
-            if isinstance(event, Exception):
-                self._sse({"error": {"message": str(event), "type": "server_error"}})
-                break
-            if isinstance(event, FinishedRequest):
-                text = svc.codec.decode(event.output_ids)
-                self._sse({**chunk, "choices": [{
-                    "index": 0, "delta": {"content": text[len(sent):]},
-                    "finish_reason": event.meta_info["finish_reason"]["type"]}]})
-                ext = _sglext(body, event, want_spec)
-                if ext:
-                    self._sse({**chunk, "choices": [], "sglext": ext})
-                if opts.get("include_usage"):
-                    self._sse({**chunk, "choices": [], "usage": _usage(event)})
-                break
-            text = svc.codec.decode(handle.output)
-            if len(text) > len(sent):
-                delta = {**chunk, "choices": [{"index": 0, "delta": {"content": text[len(sent):]},
-                                               "finish_reason": None}]}
-                if opts.get("continuous_usage_stats"):
-                    p = len(req.prompt_ids)
-                    c = len(handle.output)
-                    delta["usage"] = {"prompt_tokens": p, "completion_tokens": c,
-                                      "total_tokens": p + c}
-                self._sse(delta)
-                sent = text
-        self._sse(b"[DONE]")
-
-
-# ---------------------------------------------------------------- helpers
-
-
-def _gen_request(
-    svc: EngineService, ids: list[int], sp: dict[str, Any], rid: Any, seed: Any
-) -> GenRequest:
-    max_new = sp.get("max_new_tokens")
-    max_new = svc.config.default_max_new_tokens if max_new is None else max_new
-    temperature = sp.get("temperature")
-    temperature = 1.0 if temperature is None else temperature  # SGLang's default
-    for name, value in (("max_new_tokens", max_new), ("top_k", sp.get("top_k", -1))):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise _BadRequest(f"sampling_params.{name} must be an integer, got {value!r}")
-    for name, value in (("temperature", temperature), ("top_p", sp.get("top_p", 1.0))):
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            raise _BadRequest(f"sampling_params.{name} must be a number, got {value!r}")
-    ignore_eos = sp.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise _BadRequest(f"sampling_params.ignore_eos must be true or false, got {ignore_eos!r}")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise _BadRequest(f"sampling_seed must be an integer, got {seed!r}")
-    if rid is not None and not isinstance(rid, str):
-        raise _BadRequest(f"rid must be a string, got {rid!r}")
-    return GenRequest(
-        rid=rid or uuid.uuid4().hex,
-        prompt_ids=list(ids),
-        max_new_tokens=int(max_new),
-        temperature=float(temperature),
-        top_p=float(sp.get("top_p", 1.0)),
-        top_k=int(sp.get("top_k", -1)),
-        seed=int(seed) if seed is not None else 0,
-        ignore_eos=ignore_eos,
-    )
-
-
-def _wait(handle: Any) -> FinishedRequest:
-    while True:
-        event = handle.events.get()
-        if isinstance(event, Exception):
-            raise EngineError(str(event))
-        if isinstance(event, FinishedRequest):
-            return event
-
-
-def _generate_out(svc: EngineService, done: FinishedRequest) -> dict[str, Any]:
-    return {"text": svc.codec.decode(done.output_ids), "output_ids": done.output_ids,
-            "meta_info": done.meta_info}
-
-
-def _sglext(body: dict[str, Any], done: FinishedRequest, spec: bool) -> dict[str, Any]:
-    """SGLang's response-level extension: spec details and output ids, when asked for."""
-    ext: dict[str, Any] = {}
-    if spec and _spec_details(done.meta_info) is not None:
-        ext["spec_tokens_details"] = _spec_details(done.meta_info)
-    if body.get("return_output_ids_in_sglext"):
-        ext["output_ids"] = [list(done.output_ids)]
-    return ext
-
-
-def _usage(done: FinishedRequest) -> dict[str, int]:
-    p, c = done.meta_info["prompt_tokens"], done.meta_info["completion_tokens"]
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
-_SPEC_KEYS = {
-    "spec_accept_rate": 0.0, "spec_accept_length": 0.0, "spec_cap_length": 0.0,
-    "spec_block_accept_length": 0.0, "spec_num_correct_drafts": 0,
-    "spec_num_proposed_drafts": 0, "spec_verify_ct": 0,
-    "spec_correct_drafts_histogram": [], "spec_cap_lens_histogram": [],
-}
-
-
-def _spec_details(meta: dict[str, Any]) -> dict[str, Any] | None:
-    """SGLang's SpecTokensDetails: every field, zero / empty when meta_info lacks it."""
-    if not any(k in meta for k in _SPEC_KEYS):
-        return None
-    return {k: meta.get(k) or default for k, default in _SPEC_KEYS.items()}
-
-
-def _server_info(svc: EngineService) -> dict[str, Any]:
-    cfg = svc.engine.cfg
-    state: dict[str, Any] = {"running_reqs": svc.running}
-    dump = svc.dump()
-    if dump is not None:
-        state["dspark_info_record"] = dump
-    return {
-        "model_path": svc.config.model_name,
-        "served_model_name": svc.config.model_name,
-        "speculative_algorithm": "DSPARK",
-        "speculative_draft_model_path": svc.config.drafter_name,
-        "speculative_dspark_block_size": cfg.gamma,
-        "speculative_num_draft_tokens": cfg.gamma + 1,
-        "max_running_requests": cfg.max_batch,
-        "dspark_obs": {
-            "mode": cfg.mode, "lag_steps": cfg.lag_steps,
-            "cost_table": None if cfg.cost_table is None else cfg.cost_table.to_dict(),
-            "estimator_path": None if svc.config.estimator_path is None
-            else str(svc.config.estimator_path),
-        },
-        "startup_time": svc.startup_time,
-        "internal_states": [state],
-        "version": VERSION,
-        "frontend": "python",
-    }
-
-
-def _set_internal_state(svc: EngineService, body: Any) -> bool:
-    """SGLang's rule: every key is validated first; any unknown or bad key updates nothing."""
-    args = body.get("server_args") if isinstance(body, dict) else None
-    if not isinstance(args, dict):
-        return False
-    for key, value in args.items():
-        if key == "dspark_force_budget_frac":
-            if value is not None and not (
-                isinstance(value, int | float) and 0.0 < float(value) <= 1.0
-            ):
-                return False
-        elif key != "dspark_clear_info_records":
-            return False
-    for key, value in args.items():
-        if key == "dspark_force_budget_frac":
-            svc.set_forced_budget_frac(value)
-        elif value:
-            svc.clear_records()
-    return True
 
 
 def serve(opts: ServerOptions) -> None:
     """Build and serve until interrupted (the CLI entry)."""
     svc = build_service(opts)
-    server = EngineServer(svc, opts.host, opts.port)
+    server = EngineServer(svc, opts.host, opts.port, server_limits(svc, opts))
     server.serve_forever()
 
+
+def server_limits(service: EngineService, opts: ServerOptions) -> HttpLimits:
+    """The options' HTTP limits (unset ones derived from the model, see HttpLimits)."""
+    return HttpLimits.for_service(
+        service,
+        max_inflight=opts.max_inflight,
+        max_connections=opts.max_connections,
+        request_timeout_s=opts.request_timeout_s,
+        max_body_bytes=opts.max_body_bytes,
+    )

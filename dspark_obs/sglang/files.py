@@ -69,17 +69,26 @@ def read_sps_records(
                 continue
             key = (rec.dp_rank, rec.forward_ct)
             if key in seen:
-                errors.append(SpsRecordError(lineno, f"duplicate dp_rank/forward_ct {key} "
-                                                     f"(first on line {seen[key]})"))
+                errors.append(
+                    SpsRecordError(
+                        lineno, f"duplicate dp_rank/forward_ct {key} (first on line {seen[key]})"
+                    )
+                )
                 continue
             seen[key] = lineno
-            rows.append({
-                "run_id": run_id, "dp_rank": rec.dp_rank, "forward_ct": rec.forward_ct,
-                "source": "sglang", "mode": mode, "bs": rec.num_running_reqs,
-                "num_running_reqs": rec.num_running_reqs,
-                "num_verify_tokens": rec.num_verify_tokens,
-                "step_cpu_ms": rec.step_time * 1000.0,
-            })
+            rows.append(
+                {
+                    "run_id": run_id,
+                    "dp_rank": rec.dp_rank,
+                    "forward_ct": rec.forward_ct,
+                    "source": "sglang",
+                    "mode": mode,
+                    "bs": rec.num_running_reqs,
+                    "num_running_reqs": rec.num_running_reqs,
+                    "num_verify_tokens": rec.num_verify_tokens,
+                    "step_cpu_ms": rec.step_time * 1000.0,
+                }
+            )
     table, type_errors = to_table("steps", rows)
     errors += [SpsRecordError(-1, str(e)) for e in type_errors]
     return table, errors

@@ -4,8 +4,9 @@ its cap-accept companion, ready for the collector.
 SGLang 0.5.23 picks the verify mode from ``SGLANG_RAGGED_VERIFY_MODE``, not a flag, so the
 companion is a second server with the same model, flags and workload and only that variable
 changed. Both turn on the step dump with request details (``SGLANG_DSPARK_DEBUG_DUMP``), the
-compact one writes the block-accept estimator JSONL and STS calibration shards; both use the
-same SPS table, STS temperatures and relay lag. ``runtime/sglang/*.json`` holds ready-made
+compact one writes the block-accept estimator JSONL and, until an STS table is fitted, STS
+calibration shards (SGLang refuses to collect shards under non-identity temperatures); both use
+the same SPS table, STS temperatures and relay lag. ``runtime/sglang/*.json`` holds ready-made
 profiles in the same shape (:meth:`LaunchProfile.to_dict`).
 """
 
@@ -50,8 +51,12 @@ class LaunchProfile:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LaunchProfile:
         try:
-            return cls(str(data["role"]), str(data["url"]), [str(a) for a in data["argv"]],
-                       {str(k): str(v) for k, v in (data.get("env") or {}).items()})
+            return cls(
+                str(data["role"]),
+                str(data["url"]),
+                [str(a) for a in data["argv"]],
+                {str(k): str(v) for k, v in (data.get("env") or {}).items()},
+            )
         except (KeyError, TypeError) as exc:
             raise LaunchError(f"bad launch profile (needs role, url, argv): {exc}") from None
 
@@ -84,12 +89,21 @@ def server_profiles(
     profiles = []
     for role, p in (("compact", port), ("cap-accept", companion_port)):
         argv = [
-            python, "-m", "sglang.launch_server",
-            "--model-path", target,
-            "--speculative-algorithm", "DSPARK",
-            "--speculative-draft-model-path", drafter,
-            "--speculative-dspark-block-size", str(gamma),
-            "--host", host, "--port", str(p),
+            python,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            target,
+            "--speculative-algorithm",
+            "DSPARK",
+            "--speculative-draft-model-path",
+            drafter,
+            "--speculative-dspark-block-size",
+            str(gamma),
+            "--host",
+            host,
+            "--port",
+            str(p),
             "--enable-metrics",
         ]
         if sps_table:
@@ -104,7 +118,9 @@ def server_profiles(
             "SGLANG_DSPARK_CONFIDENCE_RELAY_LAG_STEPS": str(lag),
             "SGLANG_DSPARK_BLOCK_ACCEPT_ESTIMATE_PATH": f"{out}/estimator_{tag}.jsonl",
         }
-        if role == "compact":
+        if role == "compact" and not sts:
+            # SGLang refuses STS collection under a fitted STS ("requires identity
+            # temperatures", dspark_planner.py): shards are collected only before fitting.
             env["SGLANG_DSPARK_STS_COLLECT_PATH"] = f"{out}/sts_{tag}"
         profiles.append(LaunchProfile(role, f"http://{host}:{p}", argv, env))
     return profiles
@@ -117,9 +133,10 @@ def check_can_launch() -> None:
             "sglang is not installed here (pip install 'sglang==0.5.23' on a CUDA host); "
             "use --print to show the command lines instead"
         )
-    if shutil.which("nvidia-smi") is None or subprocess.run(
-        ["nvidia-smi", "-L"], capture_output=True, check=False
-    ).returncode != 0:
+    if (
+        shutil.which("nvidia-smi") is None
+        or subprocess.run(["nvidia-smi", "-L"], capture_output=True, check=False).returncode != 0
+    ):
         raise LaunchError("no NVIDIA GPU visible (nvidia-smi -L failed): DSpark needs CUDA")
 
 

@@ -9,14 +9,18 @@ Reading is the hot path (a full ring buffer is 200,000 steps; at batch 64 with `
 is 12.8 million request rows, about 4 GB of JSON): :func:`decode_server_info` scans the body
 once with msgspec and keeps each step record as an undecoded slice (``msgspec.Raw``);
 :func:`records_to_tables` turns slices, a chunk at a time, into Arrow tables of the store's
-``steps`` and ``req_steps`` schemas with Arrow's multi-threaded JSON reader, so no Python
-object is ever built per row.
+``steps`` and ``req_steps`` schemas with Arrow's JSON reader (chunks in parallel), so no
+Python object is ever built per row.
 """
 
 from __future__ import annotations
 
+import os
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -46,8 +50,14 @@ __all__ = [
 MAX_RECORDS = 200_000
 """SGLang's ring buffer size (INFO_DUMP_MAX_RECORDS)."""
 
-COMPONENTS = ("core", "draft_gpu_time", "reqs", "step_cpu_time", "step_gpu_time",
-              "target_verify_gpu_time")
+COMPONENTS = (
+    "core",
+    "draft_gpu_time",
+    "reqs",
+    "step_cpu_time",
+    "step_gpu_time",
+    "target_verify_gpu_time",
+)
 """SGLANG_DSPARK_DEBUG_DUMP tokens ("all" enables every one)."""
 
 
@@ -113,15 +123,26 @@ class RankDump(msgspec.Struct, gc=False):
     records: list[msgspec.Raw] = []
 
 
-class _InternalState(msgspec.Struct, gc=False):
+class InternalState(msgspec.Struct, gc=False):
+    """One DP rank's reply: its dump and its scheduler's ``startup_time`` durations (set once
+    per scheduler process, so it tells the ranks of one server apart and a restart from a
+    re-read)."""
+
     dspark_info_record: RankDump | None = None
+    startup_time: Any = None
 
 
 class ServerInfo(msgspec.Struct, gc=False):
-    """The parts of GET /server_info the collector needs; everything else is skipped."""
+    """The parts of GET /server_info the collector needs; everything else is skipped.
 
-    internal_states: list[_InternalState] = []
-    startup_time: float | None = None
+    SGLang 0.5.23 sends ``startup_time`` as a dict of start-up durations (``{"load_weight",
+    "kv_cache_allocation", "scheduler_e2e", "cuda_graph": {...}, "tokenizer_e2e"}``, built by
+    ``build_engine_startup_time``), not a timestamp; older servers and tools sent a float.
+    Either is kept as sent: it identifies one server process, it never dates anything.
+    """
+
+    internal_states: list[InternalState] = []
+    startup_time: Any = None
     version: str | None = None
     model_path: str | None = None
     served_model_name: str | None = None
@@ -130,8 +151,18 @@ class ServerInfo(msgspec.Struct, gc=False):
 
     @property
     def dumps(self) -> list[RankDump | None]:
-        """One entry per DP rank (None where the rank has no dump enabled)."""
+        """One entry per reply (None where the rank has no dump enabled), in reply order."""
         return [s.dspark_info_record for s in self.internal_states]
+
+    @property
+    def identity(self) -> str:
+        """This server process: its startup durations and version, as canonical JSON."""
+        return fingerprint({"startup_time": self.startup_time, "version": self.version})
+
+
+def fingerprint(value: Any) -> str:
+    """Canonical JSON of a decoded value (sorted keys), for equality across polls."""
+    return msgspec.json.encode(value, order="sorted").decode()
 
 
 _DECODER = msgspec.json.Decoder(ServerInfo)
@@ -168,15 +199,17 @@ _PARSE = pa_json.ParseOptions(explicit_schema=_RECORD_SCHEMA, unexpected_field_b
 _PARSE_NL = pa_json.ParseOptions(
     explicit_schema=_RECORD_SCHEMA, unexpected_field_behavior="ignore", newlines_in_values=True
 )
-_READ = pa_json.ReadOptions(block_size=1 << 24)
+_READ = pa_json.ReadOptions(block_size=1 << 24, use_threads=False)
 
 
 @dataclass
 class Tables:
-    """Step rows and request-step rows of one chunk, in the store's schemas."""
+    """Step rows and request-step rows of one chunk, in the store's schemas, and the records
+    of the chunk that were left out (``"records[i]: why"``)."""
 
     steps: pa.Table
     req_steps: pa.Table
+    errors: list[str] = field(default_factory=list)
 
 
 def records_to_tables(
@@ -188,41 +221,86 @@ def records_to_tables(
     mode: str | None,
     fct_offset: int = 0,
     workloads: Mapping[str, str] | None = None,
-    chunk: int = 8192,
+    chunk: int = 4096,
+    workers: int | None = None,
 ) -> Iterator[Tables]:
     """Raw DecodeStepRecord JSON slices -> ``steps`` / ``req_steps`` tables, chunk by chunk.
 
     ``fct_offset`` is added to every forward_ct (a restarted server counts from 0 again);
     ``mode`` fills records that leave it out; ``workloads`` labels request rows by rid. A
-    record that is not a JSON object of the right types raises DumpError naming its index.
+    record that is not a JSON object of SGLang's types is left out and named in
+    ``Tables.errors``; the other records of its chunk are kept.
+
+    Chunks are parsed ``workers`` at a time (default: one per core), each by a single-threaded
+    Arrow reader, while the caller stores the chunk before: Arrow's own threads split only a
+    chunk's blocks and leave the cores idle while a chunk is stored (a full ring is ~40 s of
+    parse and store CPU, so this overlap is most of what two cores can win). Tables come out
+    in record order; at most ``workers + 1`` chunks are in memory.
     """
-    for start in range(0, len(records), chunk):
-        part = records[start : start + chunk]
-        text = b"\n".join(part)
-        try:  # compact JSON has no raw newline inside a record; pretty-printed JSON may
-            raw = pa_json.read_json(pa.BufferReader(text), read_options=_READ,
-                                    parse_options=_PARSE)
-            if raw.num_rows != len(part):
-                raise pa.ArrowInvalid("a record spans lines")
-        except (pa.ArrowInvalid, pa.ArrowTypeError):
+    starts = range(0, len(records), chunk)
+
+    def parse(start: int) -> Tables:
+        part = list(records[start : start + chunk])
+        return _chunk_tables(part, start, run_id, dp_rank, gamma, mode, fct_offset, workloads)
+
+    n_workers = max(1, min(workers or os.cpu_count() or 1, len(starts)))
+    if n_workers == 1:
+        yield from map(parse, starts)
+        return
+    with ThreadPoolExecutor(n_workers, thread_name_prefix="dump-parse") as pool:
+        pending: deque[Future[Tables]] = deque()
+        for start in starts:  # at most n_workers + 1 chunks in flight: memory stays bounded
+            pending.append(pool.submit(parse, start))
+            if len(pending) > n_workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+def _chunk_tables(
+    part: list[msgspec.Raw | bytes],
+    start: int,
+    run_id: str,
+    dp_rank: int,
+    gamma: int,
+    mode: str | None,
+    fct_offset: int,
+    workloads: Mapping[str, str] | None,
+) -> Tables:
+    """One chunk's tables; a bad record is found (the slow path), named and left out."""
+    errors: list[str] = []
+    raw = _read_chunk(part)
+    if raw is None:
+        good = []
+        for i, r in enumerate(part):
             try:
-                raw = pa_json.read_json(pa.BufferReader(text), read_options=_READ,
-                                        parse_options=_PARSE_NL)
-            except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-                raise DumpError(_locate(part, start, exc)) from None
-        if raw.num_rows != len(part):
-            raise DumpError(f"records[{start}:{start + len(part)}]: expected one object each")
-        yield _tables(raw, run_id, dp_rank, gamma, mode, fct_offset, workloads)
+                msgspec.json.decode(bytes(r), type=DecodeStepRecord)
+            except msgspec.DecodeError as err:
+                errors.append(f"records[{start + i}]: {err}")
+            else:
+                good.append(r)
+        raw = (
+            _read_chunk(good)
+            if good
+            else pa.table({f.name: pa.array([], f.type) for f in _RECORD_SCHEMA}, _RECORD_SCHEMA)
+        )
+        if raw is None:
+            errors.append(f"records[{start}:{start + len(part)}]: unreadable chunk")
+            raw = pa.table({f.name: pa.array([], f.type) for f in _RECORD_SCHEMA}, _RECORD_SCHEMA)
+    return Tables(*_tables(raw, run_id, dp_rank, gamma, mode, fct_offset, workloads), errors)
 
 
-def _locate(part: Sequence[msgspec.Raw | bytes], start: int, exc: Exception) -> str:
-    """Name the first bad record of a chunk the Arrow reader refused (the slow path)."""
-    for i, r in enumerate(part):
+def _read_chunk(part: Sequence[msgspec.Raw | bytes]) -> pa.Table | None:
+    """Arrow's JSON reader over one chunk of records; None if any record does not parse."""
+    text = b"\n".join(part)
+    for opts in (_PARSE, _PARSE_NL):  # compact JSON has no raw newline in a record; pretty may
         try:
-            msgspec.json.decode(bytes(r), type=DecodeStepRecord)
-        except msgspec.DecodeError as err:
-            return f"records[{start + i}]: {err}"
-    return f"records[{start}:{start + len(part)}]: {exc}"
+            raw = pa_json.read_json(pa.BufferReader(text), read_options=_READ, parse_options=opts)
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            continue
+        if raw.num_rows == len(part) and not raw.column("forward_ct").null_count:
+            return raw
+    return None
 
 
 def _tables(
@@ -233,20 +311,17 @@ def _tables(
     mode: str | None,
     fct_offset: int,
     workloads: Mapping[str, str] | None,
-) -> Tables:
+) -> tuple[pa.Table, pa.Table]:
     n = raw.num_rows
     fct = pc.add(raw.column("forward_ct"), fct_offset) if fct_offset else raw.column("forward_ct")
-    if raw.column("forward_ct").null_count:
-        bad = int(np.flatnonzero(pc.is_null(raw.column("forward_ct")).to_numpy(False))[0])
-        raise DumpError(f"records[{bad}]: forward_ct is required")
     rec_mode = pc.if_else(pc.equal(raw.column("mode"), ""), None, raw.column("mode"))
     if mode is not None:
         rec_mode = pc.fill_null(rec_mode, mode)
     cols: dict[str, pa.ChunkedArray | pa.Array] = {
-        "run_id": pa.array([run_id] * n, pa.string()) if n else pa.array([], pa.string()),
+        "run_id": _repeat(run_id, n),
         "dp_rank": pa.array(np.full(n, dp_rank, dtype=np.int32)),
         "forward_ct": fct,
-        "source": pa.array(["sglang"] * n, pa.string()),
+        "source": _repeat("sglang", n),
         "mode": rec_mode,
     }
     for f in SGLANG_STEP_INT_FIELDS:
@@ -266,7 +341,7 @@ def _tables(
         pool = pc.cast(flat.field("req_pool_index"), pa.string())
         rid = pc.fill_null(rid, pc.binary_join_element_wise("pool", pool, ""))
     rcols: dict[str, pa.Array | pa.ChunkedArray] = {
-        "run_id": pa.array([run_id] * m, pa.string()),
+        "run_id": _repeat(run_id, m),
         "dp_rank": pa.array(np.full(m, dp_rank, dtype=np.int32)),
         "forward_ct": rfct,
         "rid": rid,
@@ -281,4 +356,9 @@ def _tables(
     req_steps = pa.table(
         {f.name: rcols.get(f.name, pa.nulls(m, f.type)) for f in REQ_STEPS}, REQ_STEPS
     )
-    return Tables(steps, req_steps)
+    return steps, req_steps
+
+
+def _repeat(value: str, n: int) -> pa.Array:
+    """One string n times, built in Arrow (no Python list of n references)."""
+    return pa.repeat(pa.scalar(value, pa.string()), n)

@@ -94,8 +94,14 @@ class EngineService:
     """Owns the engine thread, the step-dump ring buffer, the estimator file and metrics."""
 
     def __init__(
-        self, engine: Engine, codec: Codec, config: ServiceConfig, run_id: str = "serve"
+        self,
+        engine: Engine,
+        codec: Codec,
+        config: ServiceConfig,
+        run_id: str = "serve",
+        built_s: float = 0.0,
     ) -> None:
+        t0 = time.perf_counter()
         unknown = set(config.components) - set(COMPONENTS)
         if unknown:
             raise EngineError(f"unknown dump component(s) {sorted(unknown)}; valid: {COMPONENTS}")
@@ -103,7 +109,8 @@ class EngineService:
         self.codec = codec
         self.config = config
         self.run_id = run_id
-        self.startup_time = time.time()
+        self.startup_time = time.time()  # wall clock of the start (OpenAI ``created``)
+        self._startup_durations = _startup_durations(built_s, time.perf_counter() - t0)
         self._incoming: queue.Queue[GenRequest] = queue.Queue()
         self._handles: dict[str, RequestHandle] = {}
         self._lock = threading.Lock()
@@ -228,6 +235,8 @@ class EngineService:
         if reason == "stop":
             finish = {"type": "stop", "matched": int(output[-1])}
             self._est.eos(row["rid"])
+        elif reason == "abort":  # the shape of SGLang 0.5.23's FINISH_ABORT.to_json()
+            finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
         else:
             finish = {"type": "length", "length": len(output)}
         self._est.forget(row["rid"])
@@ -261,6 +270,51 @@ class EngineService:
             records=records,
         )
 
+    def server_info(self) -> dict[str, Any]:
+        """The GET /server_info body, shaped as SGLang 0.5.23's handler builds it: the server
+        arguments, ``startup_time`` (a dict of start-up durations, as
+        ``build_engine_startup_time`` makes it), one internal state per DP rank (its own
+        scheduler ``startup_time`` and the ``dspark_info_record``), ``version``, ``frontend``."""
+        cfg = self.engine.cfg
+        args: dict[str, Any] = {
+            "model_path": self.config.model_name,
+            "served_model_name": self.config.model_name,
+            "speculative_algorithm": "DSPARK",
+            "speculative_draft_model_path": self.config.drafter_name,
+            "speculative_dspark_block_size": cfg.gamma,
+            "speculative_num_draft_tokens": cfg.gamma + 1,
+            "max_running_requests": cfg.max_batch,
+            "dp_size": 1,
+        }
+        state: dict[str, Any] = {
+            **args,
+            "world_size": 1,
+            "startup_time": {
+                k: v for k, v in self._startup_durations.items() if k != "tokenizer_e2e"
+            },
+            "effective_max_running_requests_per_dp": cfg.max_batch,
+            "running_reqs": self.running,
+        }
+        dump = self.dump()
+        if dump is not None:
+            state["dspark_info_record"] = {**msgspec.to_builtins(dump), "simulate_acc_len": None}
+        return {
+            **args,
+            "launch_command": "dspark-obs engine-server",
+            "dspark_obs": {
+                "mode": cfg.mode,
+                "lag_steps": cfg.lag_steps,
+                "cost_table": None if cfg.cost_table is None else cfg.cost_table.to_dict(),
+                "estimator_path": None
+                if self.config.estimator_path is None
+                else str(self.config.estimator_path),
+            },
+            "startup_time": dict(self._startup_durations),
+            "internal_states": [state],
+            "version": SGLANG_VERSION,
+            "frontend": "python",
+        }
+
     def clear_records(self) -> None:
         with self._lock:
             self._records.clear()
@@ -276,6 +330,27 @@ class EngineService:
 
 
 # ---------------------------------------------------------------- rendering
+
+SGLANG_VERSION = "0.5.23"  # the SGLang surface this service speaks
+_GRAPH_PHASES = (
+    "prefill",
+    "decode",
+    "target_verify",
+    "draft_prefill",
+    "draft_decode",
+    "draft_extend",
+)
+
+
+def _startup_durations(load_s: float, service_s: float) -> dict[str, Any]:
+    """SGLang's engine ``startup_time`` keys: what this process spent starting (seconds)."""
+    return {
+        "load_weight": round(load_s, 6),
+        "kv_cache_allocation": 0.0,
+        "scheduler_e2e": round(load_s + service_s, 6),
+        "cuda_graph": dict.fromkeys(_GRAPH_PHASES, 0.0),
+        "tokenizer_e2e": round(load_s + service_s, 6),
+    }
 
 
 def _round4(values: Sequence[float] | None) -> list[float] | None:
@@ -400,8 +475,13 @@ class _EstimatorWriter:
                 pending[int(r["forward_ct"])] = len(r["trimmed_tokens"])
             if r.get("pg"):
                 line["pg"] = [
-                    [e["src_fct"], e["k"], e["target_logprob"], e["draft_token"],
-                     e["realized_token"]]
+                    [
+                        e["src_fct"],
+                        e["k"],
+                        e["target_logprob"],
+                        e["draft_token"],
+                        e["realized_token"],
+                    ]
                     for e in r["pg"]
                 ]
                 for e in r["pg"]:
@@ -443,11 +523,7 @@ def _pure_temperature(row: dict[str, Any]) -> bool:
     t = row.get("temperature") or 0.0
     top_p = row.get("top_p")
     top_k = row.get("top_k")
-    return (
-        t >= SAMPLING_EPS
-        and (top_p is None or top_p >= 1.0)
-        and (top_k is None or top_k < 0)
-    )
+    return t >= SAMPLING_EPS and (top_p is None or top_p >= 1.0) and (top_k is None or top_k < 0)
 
 
 # ---------------------------------------------------------------- /metrics
@@ -458,8 +534,12 @@ class _Metrics:
 
     def __init__(self, config: ServiceConfig, engine: EngineConfig) -> None:
         self.registry = CollectorRegistry()
-        labels = {"model_name": config.model_name, "engine_type": "unified", "tp_rank": "0",
-                  "dp_rank": str(engine.dp_rank)}
+        labels = {
+            "model_name": config.model_name,
+            "engine_type": "unified",
+            "tp_rank": "0",
+            "dp_rank": str(engine.dp_rank),
+        }
         names = list(labels)
         self.interval = max(1, int(config.log_interval))
         self.mode = engine.mode

@@ -11,8 +11,8 @@ exposed name (with ``_total``); a histogram's name is the base of its ``_bucket`
 
 * mean verify window per workload::
 
-    sum by (workload) (rate(dspark_verify_window_sum[5m]))
-      / sum by (workload) (rate(dspark_verify_window_count[5m]))
+    sum by (workload) (rate(dspark_verify_window_tokens_sum[5m]))
+      / sum by (workload) (rate(dspark_verify_window_tokens_count[5m]))
 
 * utilization (committed / ceiling, cap-accept or static runs)::
 
@@ -22,12 +22,18 @@ exposed name (with ``_total``); a histogram's name is the base of its ``_bucket`
 * ECE per position (SGLang's 15 equal-width bins of S_j)::
 
     sum by (position) (abs(
-        sum by (position, bin) (increase(dspark_calibration_predicted_sum_total[1h]))
+        sum by (position, bin) (increase(dspark_calibration_predicted_probability_total[1h]))
       - sum by (position, bin) (increase(dspark_calibration_accepted_total[1h]))))
     / sum by (position) (increase(dspark_calibration_observations_total[1h]))
 
-Label sets are bounded (model, mode, workload, dp_rank, position, bin, table, reason); no
-request id and no run id ever becomes a label.
+Label sets are bounded (model, mode, workload, dp_rank, position, bin, table, reason);
+no request id and no run id ever becomes a label. ``position`` is the draft position j = 1..gamma
+on every metric (DESIGN.md's numbering; vLLM's own per-position counter is 0-based, ours is not).
+Token histograms end in ``_tokens``, time histograms in ``_seconds``; counters in ``_total``.
+
+The recipes are exact under ``increase()`` / ``rate()``: the exporter shows every new series
+at 0 on the first scrape that sees it (:mod:`dspark_obs.sinks.prometheus`), so no first
+increment is lost. Names renamed from the previous release: :data:`RENAMED`.
 """
 
 from __future__ import annotations
@@ -38,8 +44,10 @@ __all__ = [
     "CALIBRATION_BINS",
     "GENAI_DURATION_BUCKETS",
     "GENAI_TPOT_BUCKETS",
+    "GENAI_TOKEN_USAGE_BUCKETS",
     "GENAI_TTFT_BUCKETS",
     "METRICS",
+    "RENAMED",
     "Metric",
     "NAMESPACE",
     "STEP_SECONDS_BUCKETS",
@@ -51,19 +59,28 @@ NAMESPACE = "dspark"
 CALIBRATION_BINS = 15  # SGLang's STS fitter: bin = floor(S_j * 15), clamped to 0..14
 DEFAULT_MAX_GAMMA = 8  # token histograms get integer buckets 1..max_gamma+1 (gamma 5 -> 1..6 used)
 
-# OpenTelemetry GenAI semantic conventions, explicit bucket boundaries (seconds).
-# gen_ai.server.time_to_first_token:
+# Latency buckets (seconds): the OpenTelemetry GenAI semantic conventions' advice, extended
+# at both ends so one set covers an H200 (TPOT of a few ms) and the embedded CPU engine (TTFT
+# of tens of seconds, TPOT of seconds): the GenAI boundaries stay, so the advice's quantiles
+# are still readable, and no CPU p99 is pinned at the advice's top bucket.
+# gen_ai.server.time_to_first_token (advice 1 ms .. 10 s) + 15 s .. 10 min:
 GENAI_TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
-    1.0, 2.5, 5.0, 7.5, 10.0,
+    1.0, 2.5, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 300.0, 600.0,
 )  # fmt: skip
-# gen_ai.server.request.duration (powers of two from 10 ms):
+# gen_ai.server.request.duration (advice: powers of two from 10 ms to 81.92 s) + 3 more:
 GENAI_DURATION_BUCKETS = (
     0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
+    163.84, 327.68, 655.36,
 )  # fmt: skip
-# gen_ai.server.time_per_output_token:
+# gen_ai.server.time_per_output_token (advice 10 ms .. 2.5 s) + 1 ms .. 7.5 ms and 5 s .. 30 s:
 GENAI_TPOT_BUCKETS = (
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+    0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0,
+)  # fmt: skip
+# gen_ai.client.token.usage (advice: powers of four from 1):
+GENAI_TOKEN_USAGE_BUCKETS = (
+    1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 16777216, 67108864,
 )  # fmt: skip
 STEP_SECONDS_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
@@ -161,22 +178,23 @@ METRICS: tuple[Metric, ...] = (
     _c("spec_decode_num_accepted_tokens", REQ_LABELS, "req_steps",
        "vLLM-compatible: draft tokens accepted (bonus excluded)."),
     _c("spec_decode_num_accepted_tokens_per_pos", (*REQ_LABELS, *POS), "req_steps",
-       "vLLM-compatible: accepted drafts per position, position 0-based as in vLLM."),
+       "vLLM-compatible: accepted drafts per position (position 1-based like every dspark "
+       "metric; vLLM numbers from 0)."),
     # --- histograms per request-step / request
-    _h("verify_window", REQ_LABELS, "req_steps",
+    _h("verify_window_tokens", REQ_LABELS, "req_steps",
        "Verify window verify_len per request-step (1..gamma+1, anchor included).", None,
        "tokens"),
-    _h("committed_per_step", REQ_LABELS, "req_steps",
+    _h("committed_per_step_tokens", REQ_LABELS, "req_steps",
        "Tokens committed per request-step (acc_len).", None, "tokens"),
-    _h("ceiling_per_step", REQ_LABELS, "req_steps",
+    _h("ceiling_per_step_tokens", REQ_LABELS, "req_steps",
        "Ceiling acc_len + cap_trim per request-step (exact: cap-accept and static runs).",
        None, "tokens"),
-    _h("request_accept_length", REQ_LABELS, "req_steps",
+    _h("request_accept_length_tokens", REQ_LABELS, "req_steps",
        "Per finished request: committed tokens / verify steps.", None, "tokens"),
     # --- calibration (observed positions only)
     _c("calibration_observations", (*REQ_LABELS, *PB), "req_steps",
        "Observed positions per (position, S_j bin)."),
-    _c("calibration_predicted_sum", (*REQ_LABELS, *PB), "req_steps",
+    _c("calibration_predicted_probability", (*REQ_LABELS, *PB), "req_steps",
        "Sum of predicted survival S_j (clamped to [1e-8, 1-1e-8]) per (position, bin)."),
     _c("calibration_accepted", (*REQ_LABELS, *PB), "req_steps",
        "Prefix label 1 per (position, bin)."),
@@ -221,6 +239,15 @@ METRICS: tuple[Metric, ...] = (
     _c("records_rejected", ("table", "reason"), "errors",
        "Rows refused by schema validation, by table and reason (never reached a sink)."),
 )  # fmt: skip
+
+# Previous name -> current name (one release: the README's alias table lists the same pairs).
+RENAMED: dict[str, str] = {
+    "dspark_verify_window": "dspark_verify_window_tokens",
+    "dspark_committed_per_step": "dspark_committed_per_step_tokens",
+    "dspark_ceiling_per_step": "dspark_ceiling_per_step_tokens",
+    "dspark_request_accept_length": "dspark_request_accept_length_tokens",
+    "dspark_calibration_predicted_sum_total": "dspark_calibration_predicted_probability_total",
+}
 
 
 def by_name() -> dict[str, Metric]:

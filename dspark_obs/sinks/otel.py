@@ -1,13 +1,26 @@
-"""OpenTelemetry exporter: GenAI latency histograms, every catalog counter, one span per request.
+"""OpenTelemetry exporter, following the GenAI semantic conventions (semantic-conventions-genai).
 
 * ``gen_ai.server.time_to_first_token``, ``gen_ai.server.time_per_output_token`` (first token
-  excluded) and ``gen_ai.server.request.duration``: histograms in seconds with the GenAI
-  semantic conventions' bucket advice, recorded once per finished request.
+  excluded) and ``gen_ai.server.request.duration``: histograms in seconds, recorded once per
+  finished request, with the conventions' bucket advice extended to cover an H200 and the
+  CPU engine (:mod:`dspark_obs.sinks.catalog`).
+* ``gen_ai.client.token.usage``: histogram in ``{token}``, one input and one output
+  observation per finished request (``gen_ai.token.type`` = ``input`` | ``output``).
 * every counter of :mod:`dspark_obs.sinks.catalog` as an observable counter named
   ``dspark.<name>`` (``dspark_position_accepted_total`` -> ``dspark.position_accepted``),
-  read from the same totals the Prometheus exporter renders (no extra work per batch).
+  read from the same totals the Prometheus exporter renders (no extra work per batch). Their
+  model label is ``gen_ai.request.model``, as on the histograms and spans; the others are
+  ``dspark.<label>``.
 * one span per request: ``gen_ai.*`` where the GenAI conventions define the attribute,
   ``dspark.*`` for the rest (verify steps, accept length, window, ceiling, confidence).
+  ``gen_ai.response.id`` is ``<run_id>/<rid>``: unique per run, so a companion run's spans
+  never reuse its compact run's ids. Sampling parameters that are off (top_k <= 0, no seed)
+  are omitted, never sent as sentinels. ``server.address`` / ``server.port`` are set when the
+  run names its server (SGLang collector runs).
+
+Every attribute set is one of: always on the server metrics (``gen_ai.operation.name``,
+``gen_ai.provider.name``, ``gen_ai.request.model``, ``gen_ai.response.model``), plus
+``error.type`` on a request that ended in an error (finish reason ``abort``).
 
 Exports go over OTLP/HTTP (protobuf) from the SDK's own threads. The exporters read the
 standard ``OTEL_EXPORTER_OTLP_*`` variables (endpoint, headers, timeout, compression); an
@@ -33,6 +46,7 @@ from dspark_obs.sinks._worker import FoldWorker
 from dspark_obs.sinks.catalog import (
     DEFAULT_MAX_GAMMA,
     GENAI_DURATION_BUCKETS,
+    GENAI_TOKEN_USAGE_BUCKETS,
     GENAI_TPOT_BUCKETS,
     GENAI_TTFT_BUCKETS,
     METRICS,
@@ -57,6 +71,11 @@ GEN_AI_REQUEST_SEED = "gen_ai.request.seed"
 GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
 GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+GEN_AI_TOKEN_TYPE = "gen_ai.token.type"
+SERVER_ADDRESS = "server.address"
+SERVER_PORT = "server.port"
+ERROR_TYPE = "error.type"
+METRIC_TOKEN_USAGE = "gen_ai.client.token.usage"
 METRIC_TTFT = "gen_ai.server.time_to_first_token"
 METRIC_TPOT = "gen_ai.server.time_per_output_token"
 METRIC_REQUEST_DURATION = "gen_ai.server.request.duration"
@@ -81,7 +100,17 @@ def otel_name(metric: Metric) -> str:
 
 
 def _unit(metric: Metric) -> str:
-    return {"seconds": "s", "tokens": "{token}"}.get(metric.unit, "1")
+    """UCUM unit: seconds ``s``, token counts ``{token}`` (by unit or by a ``_tokens`` name)."""
+    if metric.unit == "seconds" or metric.name.endswith("_seconds_total"):
+        return "s"
+    if metric.unit == "tokens" or metric.name.endswith("_tokens_total"):
+        return "{token}"
+    return "1"
+
+
+def counter_attribute(label: str) -> str:
+    """The OTel attribute of a catalog label: the model is ``gen_ai.request.model``."""
+    return GEN_AI_REQUEST_MODEL if label == "model" else f"dspark.{label}"
 
 
 def _finite(v: object) -> bool:
@@ -131,6 +160,10 @@ class OtelSink:
         self._duration = meter.create_histogram(
             METRIC_REQUEST_DURATION, "s", "Generative AI server request duration",
             explicit_bucket_boundaries_advisory=GENAI_DURATION_BUCKETS,
+        )  # fmt: skip
+        self._token_usage = meter.create_histogram(
+            METRIC_TOKEN_USAGE, "{token}", "Number of input and output tokens used",
+            explicit_bucket_boundaries_advisory=GENAI_TOKEN_USAGE_BUCKETS,
         )  # fmt: skip
         self._accept_length = meter.create_histogram(
             "dspark.request.accept_length", "{token}",
@@ -189,7 +222,9 @@ class OtelSink:
         def observe(options: CallbackOptions) -> Iterable[Observation]:
             series = self._totals().counters[metric.name]
             return [
-                Observation(v, {f"dspark.{k}": x for k, x in zip(metric.labels, key, strict=True)})
+                Observation(
+                    v, {counter_attribute(k): x for k, x in zip(metric.labels, key, strict=True)}
+                )
                 for key, v in series.items()
             ]
 
@@ -207,6 +242,12 @@ class OtelSink:
                 "dspark.mode": str(r.get("mode")),
                 "dspark.workload": str(r.get("workload")),
             }
+            if isinstance(r.get("server_address"), str):
+                attrs[SERVER_ADDRESS] = r["server_address"]
+                if _finite(r.get("server_port")):
+                    attrs[SERVER_PORT] = int(r["server_port"])
+            if r.get("finish_reason") == "abort":
+                attrs[ERROR_TYPE] = "abort"
             arrival, first, finish = (r.get(k) for k in ("arrival_time", "first_token_time",
                                                             "finish_time"))  # fmt: skip
             completion = r.get("completion_tokens")
@@ -217,6 +258,9 @@ class OtelSink:
                 self._tpot.record((finish - first) / (completion - 1), attrs)
             if _finite(arrival) and _finite(finish):
                 self._duration.record(finish - arrival, attrs)
+            for kind, col in (("input", "prompt_tokens"), ("output", "completion_tokens")):
+                if _finite(r.get(col)):
+                    self._token_usage.record(int(r[col]), {**attrs, GEN_AI_TOKEN_TYPE: kind})
             steps = r.get("steps")
             if _finite(steps) and steps > 0:
                 self._accept_length.record(r["committed"] / steps, attrs)
@@ -226,7 +270,7 @@ class OtelSink:
         span_attrs = dict(attrs)
         span_attrs.update(
             {
-                GEN_AI_RESPONSE_ID: str(r["rid"]),
+                GEN_AI_RESPONSE_ID: f"{r['run_id']}/{r['rid']}",
                 GEN_AI_RESPONSE_FINISH_REASONS: [str(r.get("finish_reason"))],
                 "dspark.run_id": str(r["run_id"]),
             }
@@ -240,8 +284,9 @@ class OtelSink:
             GEN_AI_USAGE_INPUT_TOKENS: ("prompt_tokens", int),
             GEN_AI_USAGE_OUTPUT_TOKENS: ("completion_tokens", int),
         }
+        off = {"top_k": lambda v: v <= 0, "seed": lambda v: v < 0}  # SGLang's "off" values
         for name, (col, cast) in plain.items():
-            if _finite(r.get(col)):
+            if _finite(r.get(col)) and not off.get(col, lambda v: False)(r[col]):
                 span_attrs[name] = cast(r[col])
         steps = r.get("steps")
         if _finite(steps) and steps > 0:
@@ -251,12 +296,24 @@ class OtelSink:
         if _finite(r.get("exact_steps")) and r["exact_steps"] > 0:
             span_attrs["dspark.ceiling"] = float(r["ceiling"] / r["exact_steps"])
             span_attrs["dspark.utilization"] = float(r["committed"] / r["ceiling"])
-        if _finite(r.get("estimated_ceiling")):
+        if _finite(r.get("estimated_ceiling")):  # compact: the ceiling is hidden, estimated
             span_attrs["dspark.estimated_ceiling"] = float(r["estimated_ceiling"])
+            for end in ("lo", "hi"):  # the estimator's bracket of that mean ceiling
+                if _finite(r.get(f"estimated_ceiling_{end}")):
+                    span_attrs[f"dspark.estimated_ceiling_{end}"] = float(
+                        r[f"estimated_ceiling_{end}"]
+                    )
             if _finite(steps) and steps > 0:
-                span_attrs["dspark.estimated_utilization"] = float(
-                    (r["committed"] / steps) / r["estimated_ceiling"]
-                )
+                accept = r["committed"] / steps
+                span_attrs["dspark.estimated_utilization"] = float(accept / r["estimated_ceiling"])
+                for end, other in (("lo", "hi"), ("hi", "lo")):  # committed / hi .. / lo
+                    if (
+                        _finite(r.get(f"estimated_ceiling_{other}"))
+                        and r[f"estimated_ceiling_{other}"] > 0
+                    ):
+                        span_attrs[f"dspark.estimated_utilization_{end}"] = float(
+                            min(1.0, accept / r[f"estimated_ceiling_{other}"])
+                        )
         if _finite(r.get("conf_n")) and r["conf_n"] > 0:
             span_attrs["dspark.mean_confidence"] = float(r["conf_sum"] / r["conf_n"])
         if _finite(r.get("first_token_time")) and _finite(r.get("arrival_time")):

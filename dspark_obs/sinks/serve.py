@@ -9,18 +9,23 @@ Three feeds, one aggregation (:class:`~dspark_obs.sinks.stats.Aggregator`):
   the store's totals after a restart of serve instead of going back to zero;
 * :func:`replay`: re-plays one stored run at ``speed`` times its recorded pace.
 
-Reading is read-only and confined to the store: segments are opened only after their
-resolved path is checked to lie under the store root. A run's partition is treated as an
-append-only sequence of rows (segments sorted by name are in write order, and compaction
-merges them in that order), so the follower only needs the number of rows it consumed.
+Reading is read-only and confined to the store: a segment is read only if the store's
+acceptance rule (``store/segments.py``) accepts it, which includes its resolved path lying
+under the store root. The follower counts rows per original segment (a compacted segment's
+footer lists the segments it merged), so compaction never double-counts, and a counted
+segment that is later set aside or damaged never makes it skip new rows (its rows stay
+counted: counters never go backwards).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -33,7 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from dspark_obs import schema
 from dspark_obs.fanout import RecordSink
 from dspark_obs.sinks.stats import Aggregator
-from dspark_obs.store import layout
+from dspark_obs.store import layout, segments
 
 __all__ = ["MetricsServer", "StoreFollower", "replay", "start_http", "telemetry_sinks"]
 
@@ -127,6 +132,8 @@ def telemetry_sinks(
 
 # ---------------------------------------------------------------- reading a store
 
+MAX_PROBLEMS = 20  # distinct problems listed in /healthz
+
 
 def _inside(root: Path, path: Path) -> bool:
     try:
@@ -142,80 +149,206 @@ def _partitions(root: Path, table: str) -> list[tuple[str, Path]]:
     ]
 
 
-_DAMAGED = -1
+@dataclass
+class Problem:
+    """One distinct problem the follower met: how often, and when first and last (epoch s)."""
+
+    text: str
+    count: int
+    first_seen: float
+    last_seen: float
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "problem": self.text,
+            "count": self.count,
+            "first_seen": self.first_seen,
+            "last_seen": self.last_seen,
+        }
+
+
+class Problems:
+    """A bounded, de-duplicated problem list: one entry per distinct text, with a count.
+
+    When it is full, a new problem takes the place of the least recently seen one only if
+    that one was not seen in the current poll (:meth:`next_poll`); otherwise it is counted
+    in :attr:`not_listed`, so problems that recur on every poll never push each other out.
+    """
+
+    def __init__(self, limit: int = MAX_PROBLEMS, clock: Callable[[], float] = time.time) -> None:
+        self.limit = limit
+        self.clock = clock
+        self._items: OrderedDict[str, Problem] = OrderedDict()  # least recently seen first
+        self._seen_in: dict[str, int] = {}
+        self._poll = 0
+        self.not_listed = 0  # occurrences of problems left out because the list was full
+
+    def next_poll(self) -> None:
+        self._poll += 1
+
+    def add(self, text: str) -> None:
+        now = self.clock()
+        item = self._items.pop(text, None)
+        if item is None:
+            if len(self._items) >= self.limit:
+                oldest = next(iter(self._items))
+                if self._seen_in[oldest] == self._poll:
+                    self.not_listed += 1
+                    return
+                del self._items[oldest], self._seen_in[oldest]
+            item = Problem(text, 0, now, now)
+        item.count += 1
+        item.last_seen = now
+        self._items[text] = item
+        self._seen_in[text] = self._poll
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._items))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def recent(self) -> list[dict[str, object]]:
+        """Every kept problem, the most recently seen first."""
+        return [p.to_dict() for p in reversed(list(self._items.values()))]
+
+
+@dataclass
+class _Followed:
+    """What the follower folded of one (table, run): rows per original segment name (a
+    compacted segment lists its sources), and the segment files it has examined."""
+
+    consumed: dict[str, int] = field(default_factory=dict)
+    files: dict[str, tuple[tuple[int, int, int], list[tuple[str, int]]]] = field(
+        default_factory=dict
+    )  # segment name -> (its stat, the original segments it holds)
+    gone: set[str] = field(default_factory=set)  # folded segments named as removed
+
+
+def _stat_key(path: Path) -> tuple[int, int, int]:
+    st = os.lstat(path)
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 class StoreFollower:
-    """Folds every new row of a store into an aggregator, polling every ``interval_s``."""
+    """Folds every new row of a store into an aggregator, polling every ``interval_s``.
 
-    def __init__(self, root: str | Path, sink: RecordSink, interval_s: float = 1.0) -> None:
+    What it counts: every row of an accepted segment (``store/segments.py``) it has read,
+    once. Counters never go backwards: a segment that was counted and is then set aside
+    (``store-check --repair``), removed or damaged keeps its rows in the counters and is
+    named once in :attr:`problems`; rows that arrive after it are still counted. It tracks
+    rows per original segment name (a compacted segment's footer lists the segments it
+    merged), so neither compaction nor a quarantine between two polls shifts what is new.
+    A restarted follower counts what the store holds at that moment.
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        sink: RecordSink,
+        interval_s: float = 1.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.root = Path(root).resolve()
         self.sink = sink
         self.interval_s = interval_s
+        self.clock = clock
         self.rows_seen: dict[tuple[str, str], int] = {}
-        # Segments are immutable: their row count (or DAMAGED) is read once, and a damaged
-        # one is named once and skipped (the store's writer quarantines it), never retried.
-        self._segment_rows: dict[Path, int] = {}
+        self._followed: dict[tuple[str, str], _Followed] = {}
+        self.judge = segments.Judge(self.root)
         self.polls = 0
         self.last_poll: float | None = None
-        self.problems: list[str] = []
+        self.problems = Problems(clock=clock)
 
     def poll(self) -> int:
         """Read what is new since the last poll; returns the number of new rows."""
         new = 0
+        self.problems.next_poll()
         for table in TABLE_ORDER:
             for run_id, part in _partitions(self.root, table):
                 new += self._partition(table, run_id, part)
         self.polls += 1
-        self.last_poll = time.time()
+        self.last_poll = self.clock()
         return new
 
     def _partition(self, table: str, run_id: str, part: Path) -> int:
         if not _inside(self.root, part):
-            self.problems.append(f"{part}: outside the store, ignored")
+            self.problems.add(f"{part}: outside the store, ignored")
             return 0
-        seen = self.rows_seen.get((table, run_id), 0)
-        skip, parts = seen, []
+        state = self._followed.setdefault((table, run_id), _Followed())
+        parts: list[pa.Table] = []
+        listed: set[str] = set()
         try:
             for seg in layout.segment_files(part):
-                if not _inside(self.root, seg):
+                why = self.judge.verdict(seg, table)
+                if why == "vanished":
                     continue
-                rows = self._rows(table, seg)
-                if rows == _DAMAGED:
+                if why is not None:
+                    listed.add(seg.name)
+                    self._bad_file(state, seg, why)
                     continue
-                if skip >= rows:
-                    skip -= rows
+                key = _stat_key(seg)
+                known = state.files.get(seg.name)
+                if known is not None and known[0] != key:
+                    self.problems.add(
+                        f"{seg}: changed after it was counted; its rows "
+                        "counted before stay counted (segments never change)"
+                    )
+                if known is not None and known[0] == key:
+                    sources = known[1]
+                else:  # a footer is read once per file version
+                    sources = segments.sources(seg)
+                    state.files[seg.name] = (key, sources)
+                listed.update(name for name, _ in sources)
+                fresh = self._unread(state, sources)
+                if not fresh:
                     continue
                 try:
                     data = pq.read_table(seg)
                 except pa.ArrowException as exc:  # footer intact, pages damaged
-                    self._damaged(seg, f"unreadable data ({str(exc).splitlines()[0][:120]})")
+                    why = f"unreadable data ({str(exc).splitlines()[0][:120]})"
+                    self.judge.reject(seg, why)
+                    self._bad_file(state, seg, why)
                     continue
-                parts.append(data.slice(skip))
-                skip = 0
+                for name, offset, n in fresh:
+                    parts.append(data.slice(offset, n))
+                    state.consumed[name] = state.consumed.get(name, 0) + n
         except (FileNotFoundError, OSError):
             return 0  # a compaction swapped the segments under us: next poll
+        for name in sorted(set(state.consumed) - listed - state.gone):
+            state.gone.add(name)
+            self.problems.add(
+                f"{part / name}: counted ({state.consumed[name]:,} rows) and then removed or "
+                "set aside; its rows stay counted (counters never go backwards)"
+            )
         if not parts:
             return 0
         batch = pa.concat_tables([_conform(table, p) for p in parts])
         if batch.num_rows:
             self.sink.write(table, batch)
-        self.rows_seen[(table, run_id)] = seen + batch.num_rows
+        self.rows_seen[(table, run_id)] = self.rows_seen.get((table, run_id), 0) + batch.num_rows
         return batch.num_rows
 
-    def _rows(self, table: str, seg: Path) -> int:
-        rows = self._segment_rows.get(seg)
-        if rows is None:
-            why = layout.inspect_segment(seg, schema.TABLES[table])
-            if why is not None:
-                self._damaged(seg, why)
-                return _DAMAGED
-            rows = self._segment_rows[seg] = pq.ParquetFile(seg).metadata.num_rows
-        return rows
+    @staticmethod
+    def _unread(state: _Followed, sources: list[tuple[str, int]]) -> list[tuple[str, int, int]]:
+        """(source name, row offset in the file, rows) of what has not been folded yet."""
+        out, offset = [], 0
+        for name, rows in sources:
+            done = state.consumed.get(name, 0)
+            if done < rows:
+                out.append((name, offset + done, rows - done))
+            offset += rows
+        return out
 
-    def _damaged(self, seg: Path, why: str) -> None:
-        self._segment_rows[seg] = _DAMAGED
-        self.problems.append(f"{seg}: {why}; skipped (dspark-obs store-check --repair)")
+    def _bad_file(self, state: _Followed, seg: Path, why: str) -> None:
+        counted = state.consumed.get(seg.name)
+        if counted:
+            self.problems.add(
+                f"{seg}: counted ({counted:,} rows), now damaged: {why}; its rows "
+                "stay counted (dspark-obs store-check --repair)"
+            )
+        else:
+            self.problems.add(f"{seg}: {why}; skipped (dspark-obs store-check --repair)")
 
     def run(self, stop: threading.Event) -> None:
         """Poll until ``stop`` is set."""
@@ -223,8 +356,7 @@ class StoreFollower:
             try:
                 self.poll()
             except Exception as exc:  # noqa: BLE001 - keep serving; report in /healthz
-                self.problems.append(f"{type(exc).__name__}: {exc}")
-                del self.problems[:-20]
+                self.problems.add(f"{type(exc).__name__}: {exc}")
             stop.wait(self.interval_s)
 
     def health(self) -> dict:
@@ -234,7 +366,8 @@ class StoreFollower:
             "polls": self.polls,
             "last_poll": self.last_poll,
             "rows": sum(self.rows_seen.values()),
-            "problems": self.problems[-5:],
+            "problems": self.problems.recent(),
+            "problems_not_listed": self.problems.not_listed,
         }
 
 
@@ -284,11 +417,14 @@ def replay(
     sink: RecordSink,
     speed: float = 1.0,
     stop: threading.Event | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> int:
     """Re-play a stored run into ``sink`` at ``speed`` x its recorded pace (0: at once).
 
     Steps and their request rows arrive at their step's timestamp, finished requests at their
-    finish time. Returns the number of rows fed.
+    finish time. Returns the number of rows fed. ``clock``/``sleep`` are injectable so the pace
+    can be checked without waiting on the wall clock.
     """
     tables = read_run(root, run_id)
     sink.write("runs", tables["runs"])
@@ -306,15 +442,15 @@ def replay(
             events.append((when, order, table, data.take(pa.array(idx))))
     events.sort(key=lambda e: (e[0], e[1]))
     fed = tables["runs"].num_rows
-    start_wall = time.monotonic()
+    start_wall = clock()
     first = events[0][0] if events else 0.0
     for when, _, table, batch in events:
         if stop is not None and stop.is_set():
             break
         if speed > 0 and np.isfinite(when):
-            delay = (when - first) / speed - (time.monotonic() - start_wall)
+            delay = (when - first) / speed - (clock() - start_wall)
             if delay > 0:
-                time.sleep(delay)
+                sleep(delay)
         sink.write(table, batch)
         fed += batch.num_rows
     return fed

@@ -14,8 +14,10 @@ correct_drafts + cap_trim.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -51,6 +53,21 @@ class RunInfo:
     workload: str
     gamma: int
     source: str
+    server_address: str | None = None  # the server a collected run came from (config "url")
+    server_port: int | None = None
+
+
+def server_of(config: str | None) -> tuple[str | None, int | None]:
+    """(host, port) of the ``url`` a runs row's config names (SGLang collector), else Nones."""
+    try:
+        url = json.loads(config).get("url") if config else None
+        parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
+        if parts is None or not parts.hostname:
+            return None, None
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    except (ValueError, AttributeError):
+        return None, None
+    return parts.hostname, port
 
 
 class Totals:
@@ -257,7 +274,7 @@ class Aggregator:
 
     def _runs(self, batch: pa.Table) -> None:
         cols = {c: batch.column(c).to_pylist() for c in ("run_id", "model", "mode", "workload",
-                                                          "gamma", "source")}  # fmt: skip
+                                                          "gamma", "source", "config")}  # fmt: skip
         for i, run_id in enumerate(cols["run_id"]):
             self.runs[run_id] = RunInfo(
                 model=cols["model"][i] or _UNKNOWN,
@@ -265,6 +282,11 @@ class Aggregator:
                 workload=cols["workload"][i] or _UNKNOWN,
                 gamma=int(cols["gamma"][i]),
                 source=cols["source"][i],
+                **dict(
+                    zip(
+                        ("server_address", "server_port"), server_of(cols["config"][i]), strict=True
+                    )
+                ),
             )
             for table, part in self._waiting.pop(run_id, []):
                 self._dispatch(table, part)
@@ -342,8 +364,8 @@ class Aggregator:
         t.add("dspark_spec_decode_num_drafts_total", codes, keys)
         t.add("dspark_spec_decode_num_draft_tokens_total", codes, keys, g.astype(np.float64))
         t.add("dspark_spec_decode_num_accepted_tokens_total", codes, keys, cd.astype(np.float64))
-        t.observe("dspark_verify_window", codes, keys, window)
-        t.observe("dspark_committed_per_step", codes, keys, acc)
+        t.observe("dspark_verify_window_tokens", codes, keys, window)
+        t.observe("dspark_committed_per_step_tokens", codes, keys, acc)
 
         # positions: censoring-aware labels, as analytics.calibration.wide_labels
         width = int(g.max())
@@ -363,9 +385,8 @@ class Aggregator:
                    accepted[observed].astype(np.float64))  # fmt: skip
         t.add_flat("dspark_position_censored_total", flat[valid], keys, labels,
                    censored[valid].astype(np.float64))  # fmt: skip
-        vllm_pos = [(str(j - 1),) for j in range(1, width + 1)]
         t.add_flat("dspark_spec_decode_num_accepted_tokens_per_pos_total", flat[valid], keys,
-                   vllm_pos, (pos <= cd[:, None])[valid].astype(np.float64))  # fmt: skip
+                   labels, (pos <= cd[:, None])[valid].astype(np.float64))  # fmt: skip
 
         # calibration: S_j (or the running product of c_j) against the prefix label
         surv = _list_matrix(b.column("survival"), width)
@@ -378,7 +399,7 @@ class Aggregator:
         cal = flat[scored] * CALIBRATION_BINS + bins
         pb = [(str(j), str(k)) for j in range(1, width + 1) for k in range(CALIBRATION_BINS)]
         t.add_flat("dspark_calibration_observations_total", cal, keys, pb)
-        t.add_flat("dspark_calibration_predicted_sum_total", cal, keys, pb, p)
+        t.add_flat("dspark_calibration_predicted_probability_total", cal, keys, pb, p)
         t.add_flat("dspark_calibration_accepted_total", cal, keys, pb,
                    accepted[scored].astype(np.float64))  # fmt: skip
 
@@ -390,7 +411,7 @@ class Aggregator:
         t.add("dspark_ceiling_committed_tokens_total", ce, keys, acc[exact])
         t.add("dspark_ceiling_tokens_total", ce, keys, ceiling[exact])
         t.add("dspark_cap_trim_tokens_total", ce, keys, trim[exact].astype(np.float64))
-        t.observe("dspark_ceiling_per_step", ce, keys, ceiling[exact])
+        t.observe("dspark_ceiling_per_step_tokens", ce, keys, ceiling[exact])
         compact = mode == "compact"
         t.add("dspark_window_fully_accepted_total", codes[compact], keys,
               ((cd == v) & (v < g))[compact].astype(np.float64))  # fmt: skip
@@ -451,7 +472,7 @@ class Aggregator:
         with np.errstate(invalid="ignore", divide="ignore"):
             accept_len = per_req["committed"] / per_req["steps"]
         dpc, dpk = _groups([model, mode, workload, _np(b.column("dp_rank"), 0)])
-        t.observe("dspark_request_accept_length", dpc, dpk, accept_len)
+        t.observe("dspark_request_accept_length_tokens", dpc, dpk, accept_len)
         self._finished.append((b, model, mode, workload, per_req))
         self._finalize(force=False)
 
@@ -474,23 +495,29 @@ class Aggregator:
         if self.on_finished:
             frame = b.to_pandas()
             frame["model"], frame["mode"], frame["workload"] = model, mode, workload
-            frame["source"] = [self.runs[r].source for r in run_id.tolist()]
+            info = [self.runs[r] for r in run_id.tolist()]
+            frame["source"] = [i.source for i in info]
+            frame["server_address"] = [i.server_address for i in info]
+            frame["server_port"] = [i.server_port for i in info]
             for c, col in per_req.items():
                 frame[c] = col
-            frame["estimated_ceiling"] = estimated
+            for i, col in enumerate(("estimated_ceiling", "estimated_ceiling_lo",
+                                     "estimated_ceiling_hi")):  # fmt: skip
+                frame[col] = estimated[:, i]
             for callback in self.on_finished:
                 callback(frame)
 
     def _estimate(
         self, b: pa.Table, run_id: np.ndarray, rid: np.ndarray, mode: np.ndarray
     ) -> np.ndarray:
-        """Block-accept estimator sums for finished compact requests; mean ceiling per step.
+        """Block-accept estimator sums for finished compact requests; per request the mean
+        ceiling per step [point, lo, hi] (NaN for other modes): [n_requests, 3].
 
         Blocks settled inside their window are exact (lo = hi = correct + 1, point =
         committed) and are summed here directly; only censored blocks and the rows that carry
         their ``pg`` resolutions go through :func:`estimate_blocks`.
         """
-        out = np.full(len(rid), np.nan)
+        out = np.full((len(rid), 3), np.nan)
         compact = mode == "compact"
         if not (self.estimator and compact.any() and self._compact_rows):
             return out
@@ -539,8 +566,11 @@ class Aggregator:
         t.add("dspark_estimator_hi_tokens_total", codes, keys, hi)
         # mean point ceiling per step of each finished request (for its span)
         rc, rk = _groups([r_run, _text(rows.column("rid"), "")])
-        mean = np.bincount(rc, weights=point) / np.bincount(rc)
-        lookup = dict(zip(rk, mean.tolist(), strict=True))
+        n = np.bincount(rc)
+        means = np.column_stack([np.bincount(rc, weights=w) / n for w in (point, lo, hi)])
+        lookup = dict(zip(rk, means.tolist(), strict=True))
+        nan3 = [np.nan] * 3
         return np.array(
-            [lookup.get((a, r), np.nan) for a, r in zip(run_id.tolist(), rid.tolist(), strict=True)]
-        )
+            [lookup.get((a, r), nan3) for a, r in zip(run_id.tolist(), rid.tolist(), strict=True)],
+            dtype=np.float64,
+        ).reshape(len(rid), 3)

@@ -27,9 +27,11 @@ Reading. ``store.connect()`` gives a fresh DuckDB connection with the views ``ru
 ``steps``, ``req_steps``, ``requests`` and ``workload_summary``; ``store.query(sql)`` runs
 read-only SQL (statements that write are refused with QueryRefused). Both are sandboxed by
 DuckDB itself (``store/reader.py``: read-only database, no file outside the store, no
-network, no extensions, configuration locked). ``query`` skips a damaged segment (with a
-StoreWarning); ``dspark-obs store-check [--repair]`` lists damaged or foreign files and moves
-them to ``<root>/.quarantine/`` (``store/check.py``). From a plain duckdb shell: ``.read
+network, no extensions, configuration locked). Which files count is one rule for every
+reader (``store/segments.py``); ``query``, ``export`` and ``info`` leave out a file that
+fails it and say so (a StoreWarning with the rows it declares, ``Store.skipped``);
+``dspark-obs store-check [--repair]`` lists damaged or foreign files and moves them to
+``<root>/.quarantine/`` (``store/check.py``). From a plain duckdb shell: ``.read
 <root>/catalog.sql``, or ``duckdb -readonly <root>/catalog.duckdb``.
 ``store.export(dir, run_id=None)`` writes one Parquet file per table.
 

@@ -1,10 +1,13 @@
 """Find damaged or foreign files in a store, and set them aside (``dspark-obs store-check``).
 
-Damaged: a segment that is not a complete Parquet file of its table (zero bytes, truncated,
-another table's or program's columns), a run symlink to a missing generation, a
-catalog.duckdb that does not open or lacks a view, a catalog.sql that names other paths.
-Foreign: anything in a table's directory that the store did not write (``backup.parquet``,
-notes, a stray directory), and a run directory copied in as a plain directory.
+Damaged: a segment the store's acceptance rule refuses (``store/segments.py``: not a
+complete Parquet file of its table (zero bytes, truncated, another table's or program's
+columns, a key column missing), a symlink, a file outside the store), a run symlink to a
+missing generation, a catalog.duckdb that does not open or lacks a view, a catalog.sql that
+names other paths. Foreign: anything in a table's directory that the store did not write
+(``backup.parquet``, notes, a stray directory), a run directory copied in as a plain
+directory, and a run symlink that leads outside the store (the link is set aside, never
+what it leads to).
 
 :func:`repair` moves every damaged or foreign file to ``root/.quarantine/<stamp>/`` (its path
 inside the store kept, a ``.why.txt`` note beside it), under the run's writer lock, adopts a
@@ -21,7 +24,7 @@ from pathlib import Path
 from urllib.parse import unquote
 
 from dspark_obs.schema import TABLES
-from dspark_obs.store import layout, views
+from dspark_obs.store import layout, segments, views
 from dspark_obs.store.store import _catalog_db_ok, _write_catalog_db
 
 _LEGACY_PLACEHOLDER = "_schema.parquet"
@@ -91,6 +94,13 @@ def repair(root: str | os.PathLike[str], findings: list[Finding]) -> list[Repair
 # ---------------------------------------------------------------------- scanning
 
 _PLAIN_RUN_DIR = "a plain directory where the run's generation symlink belongs (copied in?)"
+_RUN_LINK_OUTSIDE = "the run's symlink leads outside the store's generations (set aside: the link)"
+
+
+def _inside_gen(link: Path) -> bool:
+    """A run symlink resolves to a directory directly inside its table's ``.gen``."""
+    real = Path(os.path.realpath(link))
+    return real.parent == Path(os.path.realpath(link.parent / layout.GEN_DIR))
 
 
 def _catalog_findings(root: Path) -> Iterator[Finding]:
@@ -118,17 +128,19 @@ def _table_findings(root: Path, table: str, tdir: Path) -> list[Finding]:
         if name == layout.GEN_DIR:
             found += _gen_dir_findings(tdir / name)
         elif name == layout.PLACEHOLDER_DIR:
-            found += _files_findings(table, path, None, {layout.PLACEHOLDER_FILE,
+            found += _files_findings(root, table, path, None, {layout.PLACEHOLDER_FILE,
                                                          _LEGACY_PLACEHOLDER})
         elif name.startswith("run_id="):
             run = (table, unquote(name[len("run_id="):]))
             if not path.is_symlink() and path.is_dir():
-                found += _files_findings(table, path, run, set())
+                found += _files_findings(root, table, path, run, set())
                 found.append(Finding(path, "foreign", _PLAIN_RUN_DIR, run))
             elif not path.is_dir():
                 found.append(Finding(path, "damaged", "the run's symlink points nowhere", run))
+            elif not _inside_gen(path):
+                found.append(Finding(path, "foreign", _RUN_LINK_OUTSIDE, run))
             else:
-                found += _files_findings(table, path, run, set())
+                found += _files_findings(root, table, path, run, set())
         elif not (name.startswith(".") and name.endswith(layout.TMP_SUFFIX)):
             found.append(Finding(path, "foreign", "not written by the store"))
     return found
@@ -148,21 +160,21 @@ def _gen_dir_findings(gens: Path) -> list[Finding]:
 
 
 def _files_findings(
-    table: str, part: Path, run: tuple[str, str] | None, allowed: set[str]
+    root: Path, table: str, part: Path, run: tuple[str, str] | None, allowed: set[str]
 ) -> list[Finding]:
     out = []
     for name in sorted(os.listdir(part)):
         path = part / name
         if name in allowed:
             if name == layout.PLACEHOLDER_FILE:
-                reason = layout.inspect_segment(path, TABLES[table], deep=True)
+                reason = segments.problem(root, path, table, deep=True)
                 if reason is not None:
                     out.append(Finding(path, "damaged", reason, run))
             continue
         if name.startswith(".") and name.endswith(layout.TMP_SUFFIX):
             continue  # a live writer's file, or a crashed one's (the next writer removes it)
         if name.startswith(layout.SEGMENT_PREFIX) and name.endswith(layout.SEGMENT_SUFFIX):
-            reason = layout.inspect_segment(path, TABLES[table], deep=True)
+            reason = segments.problem(root, path, table, deep=True)
             if reason is not None:
                 out.append(Finding(path, "damaged", reason, run))
             continue

@@ -16,8 +16,9 @@ not cover is a COPY ... TO a path inside the store; ``guard.check_read_only`` re
 and EXPORT by statement type (DuckDB's parser), and ``Store.query`` runs that guard first.
 
 :class:`Reader` is what ``Store.query`` uses: it lists each table's segments itself on every
-query, leaves damaged ones out (named once in a :class:`StoreWarning`), and hands DuckDB the
-list through a per-cursor variable, so one bad file never makes a table unqueryable.
+query with the store's one acceptance rule (``store/segments.py``), leaves the others out
+(``Store.query`` names them and their row counts in a :class:`StoreWarning`), and hands DuckDB
+the list through a per-cursor variable, so one bad file never makes a table unqueryable.
 """
 
 from __future__ import annotations
@@ -26,14 +27,12 @@ import os
 import re
 import tempfile
 import threading
-import warnings
 from pathlib import Path
 
 import duckdb
 
 from dspark_obs.schema import TABLES
-from dspark_obs.store import layout, views
-from dspark_obs.store.layout import StoreWarning
+from dspark_obs.store import segments, views
 
 _QUOTED_PARQUET = re.compile(r'"([^"]+\.parquet)"')
 # Errors a damaged file can raise (a SQL mistake raises Binder / Parser / Catalog ... errors).
@@ -77,19 +76,26 @@ def sandboxed_views(
 
 
 class Reader:
-    """Cursors over the views with each table's good segments listed per query."""
+    """Cursors over the views with each table's accepted segments listed per query
+    (``store/segments.py``); what was left out is in :attr:`skipped` after each cursor."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self._lock = threading.Lock()
         self._db: duckdb.DuckDBPyConnection | None = None
         self._present: dict[str, bool] = {}
-        self._verdicts: dict[str, tuple[tuple[int, int, int], str | None]] = {}
-        self._warned: set[str] = set()
+        self.judge = segments.Judge(root)
+        self.skipped: tuple[segments.Skipped, ...] = ()
         self._deep_ok: set[str] = set()  # segments read in full once after a read error
 
+    def listings(self) -> dict[str, segments.Listing]:
+        """Every table's accepted segments now; also sets :attr:`skipped`."""
+        out = {t: self.judge.listing(t) for t in TABLES}
+        self.skipped = tuple(s for lst in out.values() for s in lst.skipped)
+        return out
+
     def cursor(self) -> duckdb.DuckDBPyConnection:
-        files = {t: self.good_files(t) for t in TABLES}
+        files = {t: list(lst.files) for t, lst in self.listings().items()}
         present = {t: bool(f) for t, f in files.items()}
         with self._lock:
             if self._db is None or present != self._present:
@@ -114,19 +120,9 @@ class Reader:
                 self._db = None
 
     def good_files(self, table: str) -> list[str]:
-        """Every readable segment of ``table`` (and its schema placeholder), as paths
-        through the runs' symlinks; a damaged one is left out and named in a warning."""
-        tdir = self.root.resolve() / table
-        try:
-            runs = sorted(n for n in os.listdir(tdir) if n.startswith("run_id="))
-        except FileNotFoundError:
-            return []
-        out = []
-        for run in runs:
-            for path in layout.segment_files(tdir / run):
-                if self._verdict(path) is None:
-                    out.append(str(path))
-        return out
+        """Every accepted segment of ``table`` (and its schema placeholder), as paths through
+        the runs' symlinks."""
+        return list(self.judge.listing(table).files)
 
     def skip_if_damaged(self, exc: duckdb.Error) -> bool:
         """If a listed segment's data cannot be read (pages damaged behind an intact footer),
@@ -137,42 +133,15 @@ class Reader:
         if not named and type(exc) not in _READ_ERRORS:
             return False
         found = False
-        for name, (key, verdict) in list(self._verdicts.items()):
+        for name, verdict in self.judge.known():
             if verdict is not None or (named and name not in named) or name in self._deep_ok:
                 continue
             path = Path(name)
-            reason = layout.inspect_segment(path, TABLES[path.parent.parent.name], deep=True)
+            table = path.parent.parent.name
+            reason = segments.problem(self.root, path, table, deep=True)
             if reason is None:
                 self._deep_ok.add(name)
                 continue
-            self._verdicts[name] = (key, reason)
-            self._warn(path, reason)
+            self.judge.reject(path, reason)
             found = True
         return found
-
-    def _warn(self, path: Path, reason: str) -> None:
-        if str(path) in self._warned:
-            return
-        self._warned.add(str(path))
-        warnings.warn(
-            f"skipped a damaged store file {path}: {reason}; "
-            "`dspark-obs store-check --repair` moves it to the quarantine folder",
-            StoreWarning,
-            stacklevel=5,
-        )
-
-    def _verdict(self, path: Path) -> str | None:
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            return "vanished"
-        key = (st.st_ino, st.st_size, st.st_mtime_ns)
-        cached = self._verdicts.get(str(path))
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        table = path.parent.parent.name
-        reason = layout.inspect_segment(path, TABLES[table])
-        self._verdicts[str(path)] = (key, reason)
-        if reason is not None:
-            self._warn(path, reason)
-        return reason

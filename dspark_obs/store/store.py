@@ -32,12 +32,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dspark_obs import schema
-from dspark_obs.store import layout, views
+from dspark_obs.store import layout, segments, views
 from dspark_obs.store.guard import check_read_only
 from dspark_obs.store.layout import StoreError, StoreWarning
 from dspark_obs.store.reader import Reader, sandboxed_views
 
 T = TypeVar("T")
+_SKIPPED_KEY = b"dspark_obs.skipped"  # query results: files left out (JSON list)
 _RANGES_KEY = b"dspark_obs.fct_ranges"  # footer metadata: {dp_rank: [min_fct, max_fct]}
 _DP_SHIFT = 40  # (dp_rank << 40) | forward_ct packs a step key into one int64
 
@@ -128,6 +129,7 @@ class Store:
         self._closed = False
         self._mutex = threading.RLock()
         self._reader = Reader(self.root)
+        self.skipped: tuple[segments.Skipped, ...] = ()  # files the last read left out
 
     # ------------------------------------------------------------------ writing
 
@@ -324,6 +326,11 @@ class Store:
                 gen = layout.new_generation_name(link.name)
                 layout.ensure_dir(tdir / layout.GEN_DIR / gen)
                 layout.point_link(link, f"{layout.GEN_DIR}/{gen}")
+            elif link.is_symlink() and not _leads_into(link, tdir / layout.GEN_DIR):
+                raise StoreError(
+                    f"{link} leads outside the store ({os.readlink(link)}); "
+                    "`dspark-obs store-check --repair` sets the link aside"
+                )
             elif not link.is_symlink():
                 raise StoreError(
                     f"{link} is a plain directory where a symlink to a generation belongs "
@@ -394,7 +401,16 @@ class Store:
         ranges = _merge_ranges([s.ranges for s in part.segments])
         meta = {_RANGES_KEY: json.dumps({str(k): v for k, v in ranges.items()}).encode()}
         dest = gdir / layout.new_segment_name()
-        writer = layout.SegmentWriter(dest, schema.TABLES[part.table], meta if part.by_step else {})
+        sources: list[tuple[str, int]] = []
+        try:
+            for seg in part.segments:
+                sources += segments.sources(seg.path)
+        except _UNREADABLE as exc:  # footer gone since the partition was loaded
+            self._set_aside(part, seg.path, exc)
+            return self._compact(part)
+        kept = {segments.SOURCES_KEY: json.dumps(sources).encode()}
+        meta = {**meta, **kept} if part.by_step else kept
+        writer = layout.SegmentWriter(dest, schema.TABLES[part.table], meta)
         try:
             for seg in part.segments:
                 try:
@@ -431,8 +447,11 @@ class Store:
         """Run read-only SQL against the views; anything that writes raises QueryRefused.
 
         Runs in the sandbox (read-only database, no file outside the store, no network, no
-        extensions, configuration locked); damaged segments are skipped with a StoreWarning;
-        a query that raced a compaction's swap is run again.
+        extensions, configuration locked); a query that raced a compaction's swap is run
+        again. Files that fail the store's acceptance rule (``store/segments.py``) are left
+        out, and the answer says so: a StoreWarning names them with the rows they declare,
+        the result's schema metadata ``dspark_obs.skipped`` lists them (JSON), and so does
+        :attr:`skipped`.
         """
         check_read_only(sql)  # COPY / EXPORT into the store: the one write DuckDB allows
 
@@ -448,26 +467,38 @@ class Store:
 
         while True:
             try:
-                return _retry_vanished(run)
+                result = _retry_vanished(run)
+                break
             except duckdb.Error as exc:  # a segment whose pages (not footer) are damaged?
                 if not self._reader.skip_if_damaged(exc):
                     raise
+        self.skipped = self._reader.skipped
+        if not self.skipped:
+            return result
+        self._warn_skipped(self.skipped)
+        meta = {_SKIPPED_KEY: json.dumps([s.to_dict() for s in self.skipped]).encode()}
+        return result.replace_schema_metadata({**(result.schema.metadata or {}), **meta})
+
+    def _warn_skipped(self, skipped: tuple[segments.Skipped, ...]) -> None:
+        warnings.warn(segments.summary(skipped), StoreWarning, stacklevel=3)
 
     def export(self, dest_dir: str | os.PathLike[str], run_id: str | None = None) -> dict[str, int]:
         """Write each table (optionally one run) to ``dest_dir/<table>.parquet``, in key order.
 
-        Returns rows per table. Each file appears atomically (temp name, then rename).
+        Returns rows per table. Each file appears atomically (temp name, then rename). Reads
+        the same accepted segments as :meth:`query`; files left out are named in a
+        StoreWarning and in :attr:`skipped`.
         """
         dest = Path(dest_dir)
         dest.mkdir(parents=True, exist_ok=True)
         where = f" WHERE run_id = {views.sql_str(run_id)}" if run_id is not None else ""
         counts: dict[str, int] = {}
         con = duckdb.connect()  # COPY writes outside the store: not the reader sandbox
-        for stmt in views.view_statements(
-            self.root, {t: _has_files(self.root, t) for t in schema.TABLES}
-        ):
-            con.execute(stmt)
+        skipped: dict[str, segments.Skipped] = {}
         try:
+            # typed empty views first; each table's is replaced by its listing before its COPY
+            for stmt in views.view_statements(self.root, dict.fromkeys(schema.TABLES, False)):
+                con.execute(stmt)
             for table in schema.TABLES:
                 order = ", ".join(views.ident(k) for k in schema.KEYS[table])
                 final = dest / f"{table}.parquet"
@@ -476,32 +507,72 @@ class Store:
                     f"COPY (SELECT * FROM {table}{where} ORDER BY {order}) TO "
                     f"{views.sql_str(tmp)} (FORMAT parquet, COMPRESSION snappy)"
                 )
-                _retry_vanished(lambda sql=sql: con.execute(sql))
+
+                def copy(table: str = table, sql: str = sql) -> None:
+                    listing = self._reader.judge.listing(table)  # listed again on a retry
+                    skipped.update((s.path, s) for s in listing.skipped)
+                    if listing.files:
+                        var = views.files_variable(table)
+                        con.execute(f"SET VARIABLE {var} = ?", [list(listing.files)])
+                    select = views.table_select(self.root, table, bool(listing.files), True)
+                    con.execute(f"CREATE OR REPLACE VIEW {table} AS {select}")
+                    con.execute(sql)
+
+                while True:
+                    try:
+                        _retry_vanished(copy)
+                        break
+                    except duckdb.Error as exc:  # pages damaged behind an intact footer?
+                        if not self._reader.skip_if_damaged(exc):
+                            raise
                 os.replace(tmp, final)
                 counts[table] = pq.read_metadata(final).num_rows
         finally:
             con.close()
+        self.skipped = tuple(skipped.values())
+        if self.skipped:
+            self._warn_skipped(self.skipped)
         return counts
 
     def info(self) -> dict[str, object]:
-        """Tables (rows, segments, bytes) and runs (mode, workload, rows per table)."""
+        """Tables (rows, segments, bytes, files left out) and runs (mode, workload, rows per
+        table); ``skipped``: every file left out (path, reason, rows its footer declares)."""
         tables: dict[str, dict[str, int]] = {}
-        for table in schema.TABLES:
-            files = _segments_of(self.root, table)
+        for table, listing in self._reader.listings().items():
+            files = [Path(f) for f in listing.files if layout.PLACEHOLDER_DIR not in f]
             tables[table] = {
                 "segments": len(files),
                 "bytes": sum(f.stat().st_size for f in files if f.exists()),
+                "skipped_files": len(listing.skipped),
             }
-        counts = self.query(
-            " UNION ALL ".join(f"SELECT '{t}' AS t, count(*) AS n FROM {t}" for t in schema.TABLES)
-        ).to_pylist()
+        with warnings.catch_warnings():  # named once below, not once per query
+            warnings.simplefilter("ignore", StoreWarning)
+            counts = self.query(
+                " UNION ALL ".join(
+                    f"SELECT '{t}' AS t, count(*) AS n FROM {t}" for t in schema.TABLES
+                )
+            ).to_pylist()
         for row in counts:
             tables[row["t"]]["rows"] = row["n"]
         per_run = " UNION ALL ".join(
             f"SELECT run_id, '{t}' AS t, count(*) AS n FROM {t} GROUP BY run_id"
             for t in ("steps", "req_steps", "requests")
         )
-        runs = self.query(
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", StoreWarning)
+            runs = self._info_runs(per_run)
+        if self.skipped:
+            self._warn_skipped(self.skipped)
+        skipped = [s.to_dict() for s in self.skipped]
+        return {
+            "root": str(self.root.resolve()),
+            "tables": tables,
+            "runs": runs,
+            "skipped": skipped,
+        }
+
+    def _info_runs(self, per_run: str) -> list[dict[str, object]]:
+        return self.query(
             f"""
             WITH c AS ({per_run}),
             ids AS (SELECT run_id FROM runs UNION SELECT run_id FROM c)
@@ -513,7 +584,6 @@ class Store:
             GROUP BY ALL ORDER BY ids.run_id
             """
         ).to_pylist()
-        return {"root": str(self.root.resolve()), "tables": tables, "runs": runs}
 
 
 # ---------------------------------------------------------------------- helpers
@@ -587,6 +657,8 @@ def _split_by_run(batch: pa.Table) -> Iterator[tuple[str, pa.Table]]:
 
 def _step_ranges(batch: pa.Table) -> dict[int, tuple[int, int]]:
     """Per dp_rank: (min, max) forward_ct of the batch."""
+    if batch.num_rows == 0:  # a valid empty segment
+        return {}
     dp = batch.column("dp_rank").to_numpy()
     fct = batch.column("forward_ct").to_numpy()
     if dp.min() == dp.max():
@@ -694,12 +766,12 @@ def _read_keys(
 def _load_partition(root: Path, part: _Partition) -> None:
     """Read what a partition stores: segment footers (step ranges) or key columns.
 
-    A damaged segment (``layout.inspect_segment``) is moved to the quarantine folder and
-    named in a StoreWarning: the writer holds the partition's lock, so nobody else moves it.
+    A segment the acceptance rule refuses (``store/segments.py``) is moved to the quarantine
+    folder and named in a StoreWarning: the writer holds the partition's lock, so nobody else
+    moves it.
     """
-    sch = schema.TABLES[part.table]
     for path in layout.segment_files(part.path):
-        reason = layout.inspect_segment(path, sch)
+        reason = segments.problem(root, path, part.table)
         if reason is not None:
             dest = layout.quarantine(root, path, reason)
             warnings.warn(
@@ -721,6 +793,12 @@ def _load_partition(root: Path, part: _Partition) -> None:
         part.keys = pa.concat_tables(
             [pq.read_table(s.path, columns=list(part.key_cols)) for s in part.segments]
         )
+
+
+def _leads_into(link: Path, directory: Path) -> bool:
+    """Whether a run's symlink resolves to a generation inside ``directory``."""
+    real = Path(os.path.realpath(link))
+    return real.parent == Path(os.path.realpath(directory))
 
 
 def _placeholder_ok(path: Path, sch: pa.Schema) -> bool:

@@ -19,9 +19,13 @@ from dspark_obs.store import layout
 VIEW_NAMES = (*TABLES, "workload_summary")
 
 # Per run and workload: how many steps and requests, the mean window, the mean committed
-# length and the mean ceiling (acc_len + cap_trim, what a full-block verify would have
-# committed), and utilization as a ratio of sums (never a mean of per-step ratios).
-# cap_trim is only observed in cap-accept runs; in compact and static runs ceiling = committed.
+# length and, where it was measured, the mean ceiling (acc_len + cap_trim, what a full-block
+# verify would have committed) and utilization as a ratio of sums (never a mean of per-step
+# ratios). The ceiling is measured only where the whole block was verified: cap-accept
+# (cap_trim observed) and static (commits the whole block, ceiling = committed). A compact
+# run's ceiling is hidden, so its ceiling columns are NULL and ceiling_source says 'hidden'
+# (its estimate comes from the block-accept estimator, or its cap-accept companion's row);
+# without a runs row the mode, hence the ceiling, is 'unknown'.
 WORKLOAD_SUMMARY_SQL = """
 SELECT
     s.run_id,
@@ -32,10 +36,17 @@ SELECT
     count(DISTINCT s.rid) AS requests,
     avg(s.verify_len) AS mean_verify_len,
     avg(s.acc_len) AS mean_acc_len,
-    avg(s.acc_len + coalesce(s.cap_trim, 0)) AS mean_ceiling,
+    avg(s.acc_len + coalesce(s.cap_trim, 0)) FILTER (WHERE r.mode IN ('cap-accept', 'static'))
+        AS mean_ceiling,
     sum(s.acc_len)::BIGINT AS committed_tokens,
-    sum(s.acc_len + coalesce(s.cap_trim, 0))::BIGINT AS ceiling_tokens,
-    sum(s.acc_len) / nullif(sum(s.acc_len + coalesce(s.cap_trim, 0)), 0) AS utilization
+    sum(s.acc_len + coalesce(s.cap_trim, 0)) FILTER (WHERE r.mode IN ('cap-accept', 'static'))
+        ::BIGINT AS ceiling_tokens,
+    sum(s.acc_len) FILTER (WHERE r.mode IN ('cap-accept', 'static'))
+        / nullif(sum(s.acc_len + coalesce(s.cap_trim, 0))
+                 FILTER (WHERE r.mode IN ('cap-accept', 'static')), 0) AS utilization,
+    CASE WHEN any_value(r.mode) IN ('cap-accept', 'static') THEN 'measured'
+         WHEN any_value(r.mode) IS NULL THEN 'unknown'
+         ELSE 'hidden' END AS ceiling_source
 FROM req_steps AS s
 LEFT JOIN runs AS r USING (run_id)
 GROUP BY s.run_id, coalesce(s.workload, r.workload, 'unknown')
@@ -87,7 +98,13 @@ def table_select(root: Path, table: str, has_files: bool, listed: bool = False) 
         f"read_parquet({files}, hive_partitioning = true, "
         "union_by_name = true, hive_types = {'run_id': VARCHAR})"
     )
-    return f"SELECT {cols} FROM {src}"
+    if listed:
+        return f"SELECT {cols} FROM {src}"
+    # A glob (catalog files, Store.connect) cannot apply the acceptance rule file by file;
+    # it can keep a foreign file's rows that lack a required column out of every answer.
+    required = " AND ".join(f"{ident(f.name)} IS NOT NULL" for f in TABLES[table]
+                            if not f.nullable)
+    return f"SELECT {cols} FROM {src} WHERE {required}"
 
 
 def view_statements(root: Path, present: dict[str, bool], listed: bool = False) -> list[str]:

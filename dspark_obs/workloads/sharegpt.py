@@ -278,7 +278,7 @@ def _read_cache(path: Path) -> list[dict[str, str]] | None:
             if {k: header.get(k) for k in _header()} != _header():
                 return None
             rows = [json.loads(line) for line in fh if line.strip()]
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # a damaged cache is rebuilt
         return None
     if len(rows) != header.get("kept") or not all(
         isinstance(r, dict) and isinstance(r.get("id"), str) and isinstance(r.get("text"), str)

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dspark_obs._jsonfile import MAX_DEPTH, too_deep
+
 from .base import SPLITS, WORKLOADS, Prompt, derive_seed, stable_hash
 from .catalog import load_prompts
 
@@ -273,10 +275,14 @@ def load_traffic(path: str | os.PathLike[str]) -> list[TrafficRequest]:
                 raise WorkloadFileError(path, lineno, "not valid UTF-8") from None
             if not line.strip():
                 continue
+            if too_deep(line, MAX_DEPTH):  # judged on the text: the parser never recurses
+                raise WorkloadFileError(path, lineno, f"JSON nested deeper than {MAX_DEPTH} levels")
             try:
                 data = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise WorkloadFileError(path, lineno, f"invalid JSON: {exc.msg}") from None
+            except (ValueError, RecursionError) as exc:  # e.g. an int of 5,000 digits
+                raise WorkloadFileError(path, lineno, f"invalid JSON: {exc}") from None
             try:
                 request = TrafficRequest.from_dict(data)
             except ValueError as exc:

@@ -8,6 +8,8 @@ import queries as q
 import streamlit as st
 import ui
 
+from dspark_obs.analytics.estimator_cells import describe_tail
+
 ui.header(
     "Ceiling",
     "ceiling = acc_len + cap_trim, measured exactly by a cap-accept companion; "
@@ -96,6 +98,15 @@ if ui.require_data(s):
                     opacity=0.3,
                 )
             )
+            fig.add_trace(  # the bracket's ends as markers: visible where lo = hi (no bar)
+                go.Scatter(
+                    x=[*summ["workload"], *summ["workload"]],
+                    y=[*summ["mean_lo"], *summ["mean_hi"]],
+                    mode="markers",
+                    name="bracket ends (lo, hi)",
+                    marker={"symbol": "line-ew-open", "size": 22, "line": {"width": 3}},
+                )
+            )
             if len(est.validation):
                 val = est.validation
                 fig.add_trace(
@@ -112,6 +123,7 @@ if ui.require_data(s):
                 yaxis_title="tokens per step",
             )
             ui.chart(fig, key="estimator")
+            st.caption(describe_tail(est.tail))
             ui.table(summ)
             if len(est.validation):
                 st.subheader("Estimator vs companion truth")

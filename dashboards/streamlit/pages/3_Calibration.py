@@ -28,6 +28,15 @@ if ui.require_data(s):
             ui.empty_state(f"{run_id} recorded no confidence vectors ({cal.evaluation}).")
         else:
             st.caption(cal.evaluation)
+            verdict = cal.verdict
+            if verdict is not None:  # the same verdict fit-sts and the report give
+                show = {"ok": st.success, "too few to trust": st.warning}.get(
+                    verdict.status, st.error
+                )
+                show(
+                    "\n".join([f"**STS verdict: {verdict.status}**", *(f"- {r}" for r in
+                                                                        verdict.reasons)])
+                )  # fmt: skip
             if cal.pooled:
                 c1, c2 = st.columns(2)
                 c1.metric("held-out ECE, raw (pooled)", f"{cal.pooled['ece_before']:.4f}")
@@ -98,11 +107,17 @@ if ui.require_data(s):
                 fig.update_yaxes(range=[0, 1.02])
                 ui.chart(fig, key=f"rel-{wl}", top=80)
             ui.table(m)
-            if cal.sts_json:
+            if cal.sts_json and verdict is not None and verdict.servable:
                 st.download_button(
-                    "Download the STS JSON (SGLang format)",
+                    f"Download the STS JSON (SGLang format) · verdict: {verdict.status}",
                     cal.sts_json,
                     file_name=f"sts-{run_id}.json",
                     mime="application/json",
+                )
+                st.code(f"dspark-obs fit-sts --run {run_id} --out sts.json", language="bash")
+            elif cal.sts_json:  # a harmful STS is never offered as a download
+                st.info(
+                    "No download: these temperatures made calibration worse on held-out "
+                    "requests. Fit on more traffic and check the verdict again:"
                 )
                 st.code(f"dspark-obs fit-sts --run {run_id} --out sts.json", language="bash")

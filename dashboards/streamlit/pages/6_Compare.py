@@ -11,7 +11,7 @@ ui.header(
     "Compare",
     "B - A for every headline metric, with a 95% bootstrap interval over requests "
     "(each run's requests resampled independently). Pick any two runs: compact vs static, "
-    "two drafters, before and after STS.",
+    "two drafters, before and after STS. TTFT / TPOT quantiles in the run table are exact.",
 )
 s = ui.store()
 if ui.require_data(s):
@@ -26,7 +26,10 @@ if ui.require_data(s):
         run_b = c2.selectbox("Run B", ids, index=0, key="cmp_b")
         cmp = q.compare_runs(s, run_a, run_b, f.workloads)
         ui.table(cmp)
-        rel = cmp[cmp["metric"] != "requests"].copy()
+        for note in sorted(set(cmp["note"]) - {""}):
+            st.info(f"Not compared: {note}. A compact run's ceiling is hidden, so its mean "
+                    "ceiling and utilization are never compared as if measured.")  # fmt: skip
+        rel = cmp[(cmp["metric"] != "requests") & cmp["diff"].notna()].copy()
         scale = rel["a"].abs().where(rel["a"].abs() > 0, 1.0)
         fig = go.Figure(
             go.Scatter(

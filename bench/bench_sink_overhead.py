@@ -1,0 +1,309 @@
+"""What the store and the live sinks cost the decode loop: the same engine, the same prompts,
+with and without sinks, interleaved in one process.
+
+SmolLM2-135M-Instruct with the shipped drafter (``--tiny``: a tiny random model, a smoke
+run), compact mode, greedy, mixed eval prompts. Per batch size, one engine serves the same
+queue of ``max(--requests, --queue-factor * batch)`` requests in every variant:
+
+* ``none``:       a fan-out with no sinks (records are still built and validated: that cost
+                  is the engine's, not the sinks');
+* ``prometheus``: the Prometheus sink (/metrics on 127.0.0.1, scraped every
+                  ``--scrape-interval`` s by a thread here);
+* ``store``:      the DuckDB/Parquet store, durable on every write (what ``dspark-obs run``
+                  uses);
+* ``all``:        store + Prometheus + OpenTelemetry (OTLP/HTTP to a loopback receiver that
+                  drops everything, exporting every ``--export-interval`` s);
+* ``store-inline`` (``--inline``): the store written on the decode thread (``FanOut``
+                  without threads), the layout before sinks had their own threads.
+
+Sinks get their own threads (``FanOut(threaded=True)``, queues of ``--queue-batches``)
+unless the variant says inline. One untimed warm-up run per batch size precedes ``--reps``
+repetitions; each repetition runs every variant once, in an order that rotates, and divides
+each variant's tokens/s by the ``none`` run of the same repetition; the table reports the
+median ratio (and the median tokens/s). Throughput is committed tokens / the engine run's
+own seconds; the fan-out's close (draining what is still queued) is timed apart, and the
+backpressure counters (producer blocked count and seconds, max queue depth) are reported
+per sink.
+
+    OMP_NUM_THREADS=1 python bench/bench_sink_overhead.py --device cpu --batch 1 \
+        --requests 2 --new-tokens 24 --inline --out runtime/bench/sink_overhead_cpu_b1.json
+    python bench/bench_sink_overhead.py --device cuda --batch 1,16,64 --new-tokens 128 \
+        --inline --out runtime/bench/sink_overhead_cuda.json
+
+On a loaded CPU (other processes running) torch's OpenMP threads spin against each other:
+``OMP_NUM_THREADS=1`` keeps one run from taking minutes, and the CPU-time ratios (this
+thread's, the process's) are the figures that mean something there; wall time mostly
+measures the scheduler.
+
+Writes ``--out`` (JSON with every raw number) and a Markdown table beside it (``.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dspark_obs.engine.loop import Engine, EngineConfig, GenRequest
+from dspark_obs.engine.session import (
+    Models,
+    load_cost_table,
+    load_models,
+    traffic_to_requests,
+)
+from dspark_obs.fanout import FanOut, RecordSink
+from dspark_obs.sinks import OtelSink, PrometheusSink
+from dspark_obs.sinks.serve import start_http
+from dspark_obs.store import Store
+from dspark_obs.workloads import mixed_traffic
+
+VARIANTS = ("none", "prometheus", "store", "all")
+
+
+class _DropOtlp(BaseHTTPRequestHandler):
+    """A loopback OTLP/HTTP receiver that accepts and drops everything."""
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def tiny_models() -> Models:
+    from dspark_obs.engine.drafter import Drafter, DrafterConfig
+    from dspark_obs.engine.model import ModelConfig, Target
+
+    torch.manual_seed(0)
+    target = Target(ModelConfig.tiny(vocab_size=64, max_position=1024)).eval()
+    drafter = Drafter(DrafterConfig.for_target(target, num_layers=1, gamma_max=5), target).eval()
+    return Models(target, drafter, None, (), "tiny", "tiny")
+
+
+def requests_for(models: Models, n: int, new_tokens: int, tiny: bool) -> list[GenRequest]:
+    if tiny:
+        rng = np.random.default_rng(0)
+        return [
+            GenRequest(rid=f"r{i}", prompt_ids=rng.integers(0, 64, size=12).tolist(),
+                       max_new_tokens=new_tokens, workload=("math", "chat", "poetry")[i % 3],
+                       ignore_eos=True)
+            for i in range(n)
+        ]  # fmt: skip
+    traffic = mixed_traffic(n, seed=0, max_new_tokens=new_tokens)
+    return traffic_to_requests(traffic, models.tokenizer)
+
+
+class LiveSinks:
+    """The sinks of one variant, with what serves them (scraper, HTTP server)."""
+
+    def __init__(self, variant: str, store_dir: Path, otlp_url: str, args: Any) -> None:
+        self.sinks: list[RecordSink] = []
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._servers: list[Any] = []
+        if variant in ("store", "all", "store-inline"):
+            self.sinks.append(Store(store_dir))
+        if variant in ("prometheus", "all"):
+            prom = PrometheusSink()
+            server = start_http(prom.registry, 0)
+            self._servers.append(server)
+            self.sinks.append(prom)
+
+            def scrape() -> None:  # Prometheus' side: a GET /metrics every scrape interval
+                while not self._stop.wait(args.scrape_interval):
+                    urllib.request.urlopen(f"{server.url}/metrics", timeout=5).read()
+
+            self._threads.append(threading.Thread(target=scrape, daemon=True))
+            if variant == "all":
+                self.sinks.append(
+                    OtelSink(otlp_url, aggregator=prom.aggregator,
+                             export_interval_s=args.export_interval)
+                )  # fmt: skip
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+        for s in self._servers:
+            s.close()
+
+
+def one_run(
+    engine: Engine, reqs: list[GenRequest], variant: str, tmp: Path, otlp_url: str, tag: str,
+    args: Any,
+) -> dict[str, Any]:  # fmt: skip
+    store_dir = tmp / tag
+    live = LiveSinks(variant, store_dir, otlp_url, args)
+    threaded = variant != "store-inline"
+    fan = FanOut(live.sinks, threaded=threaded, queue_batches=args.queue_batches)
+    c0, p0 = time.thread_time(), time.process_time()
+    res = engine.run(reqs, fan.emit, tag)
+    decode_cpu, process_cpu = time.thread_time() - c0, time.process_time() - p0
+    t0 = time.perf_counter()
+    lanes = [asdict(s) for s in fan.drain()]
+    fan.close()
+    close_s = time.perf_counter() - t0
+    live.stop()
+    shutil.rmtree(store_dir, ignore_errors=True)
+    assert not fan.errors, [str(e) for e in fan.errors[:3]]
+    return {
+        "variant": variant,
+        "tokens": res.committed_tokens,
+        "steps": res.steps,
+        "seconds": res.seconds,
+        "tok_s": res.tokens_per_second,
+        "close_seconds": close_s,
+        "decode_thread_cpu_s": decode_cpu,  # this thread only: what the decode loop spent
+        "process_cpu_s": process_cpu,  # every thread (sinks, torch's pool) during the run
+        "lanes": lanes,
+        "outputs": res.outputs,
+    }
+
+
+def bench_batch(models: Models, bs: int, args: Any, tmp: Path, otlp_url: str) -> dict[str, Any]:
+    table = None if args.tiny else load_cost_table(args.cost_table, args.device)
+    config = EngineConfig(mode=args.mode, gamma=5, max_batch=bs, cost_table=table)
+    engine = Engine(models.target, models.drafter, config, models.stop_ids)
+    n = max(args.requests, args.queue_factor * bs)
+    reqs = requests_for(models, n, args.new_tokens, args.tiny)
+    variants = list(VARIANTS) + (["store-inline"] if args.inline else [])
+    print(f"batch {bs}: {len(reqs)} requests, warm-up", file=sys.stderr)
+    one_run(engine, reqs, "all", tmp, otlp_url, f"warm-{bs}", args)
+    reps: list[dict[str, dict[str, Any]]] = []
+    for rep in range(args.reps):
+        k = rep % len(variants)
+        order = variants[k:] + variants[:k]
+        runs = {v: one_run(engine, reqs, v, tmp, otlp_url, f"b{bs}-{v}-{rep}", args)
+                for v in order}  # fmt: skip
+        base = runs["none"]["outputs"]
+        for v, r in runs.items():  # the sinks must not change what is decoded
+            assert r.pop("outputs") == base, f"batch {bs} {v}: outputs differ from none"
+        reps.append(runs)
+        line = ", ".join(f"{v} {runs[v]['tok_s']:.1f}" for v in variants)
+        print(f"batch {bs} rep {rep}: tok/s {line}", file=sys.stderr)
+    summary = {}
+    for v in variants:
+        ratios = [r[v]["tok_s"] / r["none"]["tok_s"] for r in reps]
+        summary[v] = {
+            "median_tok_s": statistics.median(r[v]["tok_s"] for r in reps),
+            "median_ratio": statistics.median(ratios),
+            "ratios": ratios,
+            "max_queue_depth": max((ln["max_depth"] for r in reps for ln in r[v]["lanes"]),
+                                   default=0),
+            "blocked": sum(ln["blocked"] for r in reps for ln in r[v]["lanes"]),
+            "blocked_seconds": sum(ln["blocked_seconds"] for r in reps for ln in r[v]["lanes"]),
+            "median_close_seconds": statistics.median(r[v]["close_seconds"] for r in reps),
+            "decode_cpu_ratio": statistics.median(
+                r[v]["decode_thread_cpu_s"] / r["none"]["decode_thread_cpu_s"] for r in reps
+            ),
+            "process_cpu_ratio": statistics.median(
+                r[v]["process_cpu_s"] / r["none"]["process_cpu_s"] for r in reps
+            ),
+        }  # fmt: skip
+    return {"batch": bs, "requests": len(reqs), "reps": reps, "summary": summary}
+
+
+def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    variants = list(results[0]["summary"])
+    lines = [
+        f"Sink overhead, {meta['model']} on {meta['device']}, {meta['mode']}, "
+        f"{meta['new_tokens']} new tokens, {meta['reps']} reps (median of per-rep ratios), "
+        f"{meta['torch_threads']} torch thread(s), load average {meta['load_average_1m_end']:.1f}"
+        " at the end",
+        "",
+        "| batch | variant | tok/s | tok/s / none | decode-thread CPU / none "
+        "| process CPU / none | producer blocked (s) | max queue | close s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for res in results:
+        for v in variants:
+            s = res["summary"][v]
+            lines.append(
+                f"| {res['batch']} | {v} | {s['median_tok_s']:.1f} | {s['median_ratio']:.4f} "
+                f"| {s['decode_cpu_ratio']:.4f} | {s['process_cpu_ratio']:.4f} "
+                f"| {s['blocked']}x ({s['blocked_seconds']:.3f}) | {s['max_queue_depth']} "
+                f"| {s['median_close_seconds']:.3f} |"
+            )
+    lines += ["", f"`{meta['command']}`"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--device", default="cpu", help="cpu | cuda")
+    ap.add_argument("--batch", default="1,8", help="comma list of batch sizes")
+    ap.add_argument("--requests", type=int, default=4, help="queue length, at least ...")
+    ap.add_argument("--queue-factor", type=int, default=2, help="... this many per slot")
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--mode", default="compact")
+    ap.add_argument("--cost-table", default=None, help="default: the shipped table of --device")
+    ap.add_argument("--queue-batches", type=int, default=16, help="queue bound per sink")
+    ap.add_argument("--scrape-interval", type=float, default=15.0)
+    ap.add_argument("--export-interval", type=float, default=10.0)
+    ap.add_argument("--inline", action="store_true", help="also run the store on the decode thread")
+    ap.add_argument("--tiny", action="store_true", help="a tiny random model (smoke run)")
+    ap.add_argument(
+        "--switch-interval", type=float, default=None,
+        help="sys.setswitchinterval (s): how long a sink thread may hold the GIL (default 5 ms)",
+    )  # fmt: skip
+    ap.add_argument("--out", type=Path, default=None, help="JSON path (a .md goes beside it)")
+    args = ap.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+
+    models = tiny_models() if args.tiny else load_models(device=args.device)
+    if args.tiny and args.device != "cpu":
+        models = replace(models, target=models.target.to(args.device),
+                         drafter=models.drafter.to(args.device))  # fmt: skip
+    receiver = ThreadingHTTPServer(("127.0.0.1", 0), _DropOtlp)
+    threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    otlp_url = f"http://127.0.0.1:{receiver.server_address[1]}"
+    batches = [int(b) for b in args.batch.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        results = [bench_batch(models, bs, args, Path(tmp), otlp_url) for bs in batches]
+    receiver.shutdown()
+    meta = {
+        "model": models.model_name,
+        "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
+        "mode": args.mode,
+        "new_tokens": args.new_tokens,
+        "reps": args.reps,
+        "torch_threads": torch.get_num_threads(),
+        "switch_interval_s": sys.getswitchinterval(),
+        "load_average_1m_end": os.getloadavg()[0],  # a shared machine: how busy it was
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "command": "python " + shlex.join(sys.argv),
+    }
+    md = markdown(results, meta)
+    print(md)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+        args.out.with_suffix(".md").write_text(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""Where a DSpark step's time goes, per batch size: device time of the draft and verify
+passes, host time of the whole step, and the graph tiers a step really replays.
+
+For each batch size and each tier setting (``old``: the graph tiers before engine v3, batch
+<= 128 and <= 1,024 packed tokens; ``new``: the current defaults), DSpark ``static`` and
+no-spec serve the same queue (every request arrives at step 0); one untimed warm-up run per
+variant captures the graphs first. Per run: tokens/s, wall ms per step, and from the
+``steps`` records the medians of ``step_cpu_ms`` (host wall time of the step),
+``draft_gpu_ms`` and ``target_verify_gpu_ms`` (CUDA events). ``--cprofile B`` adds the top
+host functions (cProfile, self time) of one static run at batch B; ``--kernels B`` the top
+CUDA kernels (torch.profiler) of one static and one no-spec run at batch B.
+
+    python bench/bench_step_profile.py --device cuda --queue-file q.jsonl --batch 1,64,256 \
+        --cprofile 1,64 --kernels 256 --out out/step_profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dspark_obs.engine import batched
+from dspark_obs.engine.loop import Engine, EngineConfig
+from dspark_obs.engine.session import load_models, traffic_to_requests
+from dspark_obs.fanout import FanOut, MemorySink
+from dspark_obs.workloads import load_traffic
+
+OLD_TIERS = {
+    "batch_tiers": (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128),
+    "token_tiers": tuple(t for t in batched.TOKEN_TIERS if t <= 1024),
+}
+NEW_TIERS = {"batch_tiers": batched.BATCH_TIERS, "token_tiers": batched.TOKEN_TIERS}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def engine_run(models: Any, reqs: list, bs: int, tiers: dict, device: str) -> dict[str, Any]:
+    cfg = EngineConfig(mode="static", gamma=5, max_batch=bs, compile=device == "cuda", **tiers)
+    eng = Engine(models.target, models.drafter, cfg, models.stop_ids)
+    sink = MemorySink()
+    sync(device)
+    t0 = time.perf_counter()
+    res = eng.run(reqs, FanOut([sink]).emit, f"prof-{bs}")
+    sync(device)
+    wall = time.perf_counter() - t0
+    steps = sink.table("steps").to_pandas()
+    full = steps[steps.bs == steps.bs.max()]
+
+    def med(col: str) -> float | None:
+        vals = full[col].dropna()
+        return float(statistics.median(vals)) if len(vals) else None
+
+    return {
+        "tok_s": res.committed_tokens / wall,
+        "wall_ms_per_step": wall * 1000.0 / max(res.steps, 1),
+        "steps": res.steps,
+        "step_cpu_ms": med("step_cpu_ms"),
+        "draft_gpu_ms": med("draft_gpu_ms"),
+        "verify_gpu_ms": med("target_verify_gpu_ms"),
+        "verify_tokens": med("num_verify_tokens"),
+        "outputs": res.outputs,
+    }
+
+
+def nospec_run(models: Any, reqs: list, bs: int, device: str) -> dict[str, Any]:
+    sync(device)
+    t0 = time.perf_counter()
+    res = batched.run_no_spec(
+        models.target,
+        reqs,
+        max_batch=bs,
+        stop_ids=models.stop_ids,
+        cuda_graphs=device == "cuda",
+        compiled=device == "cuda",
+    )
+    sync(device)
+    wall = time.perf_counter() - t0
+    return {
+        "tok_s": res.committed_tokens / wall,
+        "steps": res.steps,
+        "wall_ms_per_step": wall * 1000.0 / max(res.steps, 1),
+        "outputs": res.outputs,
+    }
+
+
+def host_profile(models: Any, reqs: list, bs: int, device: str, top: int = 25) -> str:
+    prof = cProfile.Profile()
+    prof.enable()
+    engine_run(models, reqs, bs, NEW_TIERS, device)
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
+def kernel_profile(models: Any, reqs: list, bs: int, device: str, top: int = 15) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    out = []
+    for name, fn in (
+        ("static", lambda: engine_run(models, reqs, bs, NEW_TIERS, device)),
+        ("nospec", lambda: nospec_run(models, reqs, bs, device)),
+    ):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top)
+        out.append(f"== {name} bs={bs}\n{table}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    ap.add_argument("--queue-file", required=True)
+    ap.add_argument("--batch", default="1,64,256")
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--tiers", default="old,new")
+    ap.add_argument("--cprofile", default="", help="batch sizes for a host cProfile")
+    ap.add_argument("--kernels", default="", help="batch sizes for a torch.profiler table")
+    ap.add_argument("--out", default="out/step_profile.json")
+    args = ap.parse_args(argv)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    models = load_models(device=args.device, dtype=dtype)
+    traffic = load_traffic(args.queue_file)
+    result: dict[str, Any] = {
+        "command": " ".join(["python", "bench/bench_step_profile.py", *sys.argv[1:]]),
+        "rows": [],
+    }
+    texts: list[str] = []
+    sizes = [int(b) for b in args.batch.split(",") if b]
+    for bs in sizes:
+        reqs = traffic_to_requests(traffic[:bs], models.tokenizer)
+        for r in reqs:
+            r.max_new_tokens, r.arrival_step = args.new_tokens, 0
+        nospec_run(models, reqs, bs, args.device)  # warm
+        ns = nospec_run(models, reqs, bs, args.device)
+        for tier_name in args.tiers.split(","):
+            tiers = OLD_TIERS if tier_name == "old" else NEW_TIERS
+            engine_run(models, reqs, bs, tiers, args.device)  # warm: graphs, compile
+            row = engine_run(models, reqs, bs, tiers, args.device)
+            same = sum(row["outputs"][k] == ns["outputs"][k] for k in ns["outputs"])
+            line = {
+                "batch": bs,
+                "tiers": tier_name,
+                "static_tok_s": row["tok_s"],
+                "nospec_tok_s": ns["tok_s"],
+                "static_ms_per_step": row["wall_ms_per_step"],
+                "nospec_ms_per_step": ns["wall_ms_per_step"],
+                "step_cpu_ms": row["step_cpu_ms"],
+                "draft_gpu_ms": row["draft_gpu_ms"],
+                "verify_gpu_ms": row["verify_gpu_ms"],
+                "verify_tokens": row["verify_tokens"],
+                "exact_match": same / len(ns["outputs"]),
+            }
+            result["rows"].append(line)
+            log(json.dumps(line))
+        if str(bs) in args.cprofile.split(","):
+            texts.append(
+                f"== host cProfile, static bs={bs}\n" + host_profile(models, reqs, bs, args.device)
+            )
+        if str(bs) in args.kernels.split(","):
+            texts.append(kernel_profile(models, reqs, bs, args.device))
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    path.with_suffix(".txt").write_text("\n\n".join(texts))
+    print("\n\n".join(texts)[-6000:])
+    print(
+        "| batch | tiers | no-spec tok/s | static tok/s | ms/step no-spec | ms/step static | "
+        "host step ms | draft gpu ms | verify gpu ms | verify tokens | exact |"
+    )
+    for r in result["rows"]:
+        print(
+            "| {batch} | {tiers} | {nospec_tok_s:.0f} | {static_tok_s:.0f} | "
+            "{nospec_ms_per_step:.2f} | {static_ms_per_step:.2f} | {step_cpu_ms} | "
+            "{draft_gpu_ms} | {verify_gpu_ms} | {verify_tokens} | {exact_match:.2f} |".format(**r)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

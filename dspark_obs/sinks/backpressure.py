@@ -1,0 +1,51 @@
+"""Backpressure of the sink queues as Prometheus counters, read live on every scrape.
+
+``registry.register(LaneCollector(fan.stats))`` exposes, per sink (``sink`` label: the
+sink's class name, numbered when repeated; a bounded set), the counters of its queue in a
+threaded :class:`~dspark_obs.fanout.FanOut` (or a FoldWorker's ``stats``):
+
+* ``dspark_sink_batches_total``: batches the sink acknowledged (its write returned);
+* ``dspark_sink_rows_total``: rows handed to its queue;
+* ``dspark_sink_failed_batches_total``: batches never written because the sink failed;
+* ``dspark_sink_blocked_total`` / ``dspark_sink_blocked_seconds_total``: how often and how
+  long the producer waited on the sink's full queue (the decode loop's backpressure).
+
+Counters only (the catalog's rule): the deepest queue a run saw is in the run summary
+(:meth:`FanOut.summary`), and ``rate(dspark_sink_blocked_seconds_total[1m])`` is the share
+of time the producer spent waiting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from dspark_obs.fanout import LaneStats
+
+BACKPRESSURE_COUNTERS = {
+    "dspark_sink_batches": ("done", "Batches the sink acknowledged (its write returned)."),
+    "dspark_sink_rows": ("rows", "Rows handed to the sink's queue."),
+    "dspark_sink_failed_batches": ("failed", "Batches never written: the sink had failed."),
+    "dspark_sink_blocked": ("blocked", "Puts that waited on the sink's full queue."),
+    "dspark_sink_blocked_seconds": (
+        "blocked_seconds",
+        "Seconds the producer waited on the sink's full queue (backpressure).",
+    ),
+}
+
+
+class LaneCollector(Collector):
+    """Reads ``stats()`` (a list of LaneStats) at each scrape; nothing is copied between."""
+
+    def __init__(self, stats: Callable[[], Iterable[LaneStats]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        lanes = list(self._stats())
+        for name, (attr, doc) in BACKPRESSURE_COUNTERS.items():
+            family = CounterMetricFamily(name, doc, labels=["sink"])
+            for s in lanes:
+                family.add_metric([s.name], float(getattr(s, attr)))
+            yield family
