@@ -46,7 +46,7 @@ import numpy as np
 import pyarrow as pa
 
 from dspark_obs.fanout import DEFAULT_QUEUE_BATCHES, Clock, Lane, LaneStats
-from dspark_obs.schema import PG_TYPE, REQ_STEPS, STEPS
+from dspark_obs.schema import PG_TYPE, REQ_STEPS, SGLANG_REQ_INT_FIELDS, STEPS
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _US = timedelta(microseconds=1)
@@ -140,15 +140,7 @@ class StepArrays:
         return len(self.req)
 
 
-_ROW_INTS = (
-    "req_pool_index",
-    "prefix_len",
-    "verify_len",
-    "acc_len",
-    "correct_drafts",
-    "cap_trim",
-    "bonus_token",
-)
+_ROW_INTS = SGLANG_REQ_INT_FIELDS  # the ReqDetail ints every req_steps row carries
 _BLOCKS = ("draft_tokens", "confidence", "survival")
 _STEP_FLOATS = (
     "predicted_step_ms",
