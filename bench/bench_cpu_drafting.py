@@ -30,6 +30,7 @@ import torch
 from dspark_obs.engine import batched
 from dspark_obs.engine.draft_vocab import draft_vocab, load_ranking
 from dspark_obs.engine.loop import Engine, EngineConfig
+from dspark_obs.engine.no_spec import run_no_spec
 from dspark_obs.engine.session import load_cost_table, load_models, traffic_to_requests
 from dspark_obs.fanout import FanOut, MemorySink
 from dspark_obs.serving.throughput import build_queue, queue_size
@@ -62,7 +63,7 @@ def draft_costs(
                         None if n is None else draft_vocab(ranking, n, models.stop_ids)
                     )
                     t0, c0 = time.perf_counter(), time.process_time()
-                    rt.draft([0.0] * bs, sts)
+                    rt.draft([0.0] * bs, sts=sts)
                     name = f"draft_{n or 'full'}"
                     times.setdefault(name, []).append(time.perf_counter() - t0)
                     times.setdefault(f"{name}_cpu", []).append(time.process_time() - c0)
@@ -83,7 +84,7 @@ def run_variant(
 ) -> dict[str, Any]:
     t0, c0 = time.perf_counter(), time.process_time()
     if variant == "nospec":
-        res = batched.run_no_spec(
+        res = run_no_spec(
             models.target, reqs, max_batch=bs, stop_ids=models.stop_ids, cuda_graphs=False
         )
         return {

@@ -4,12 +4,14 @@ the ratio to a naive scan (fetch the rows into pandas, aggregate there).
     python bench/bench_dashboard_queries.py                      # 10M rows, 15 repetitions
     python bench/bench_dashboard_queries.py --rows 1000000 --reps 5 --store /tmp/s
 
-The store is the project's own synthetic records (dspark_obs.analytics.synthetic, through
-dashboards/streamlit/sample_store.py): one simulated compact run + cap-accept companion,
+The store is the project's own synthetic records (dspark_obs.testing.synthetic, through
+dspark_obs/testing/sample_store.py): one simulated compact run + cap-accept companion,
 its requests copied (new rids, later steps) into ``--runs`` run pairs until the store holds
 ``--rows`` req-step rows, written through Store.write. The store is kept (``--store``) so a
 rerun skips generation. Goal: p95 < 250 ms per query (the SQL aggregates the pages run on
-every rerun); the per-run analytics (estimator, calibration) are timed too, cached by the app.
+every rerun); the per-run analytics (estimator, calibration) are timed too, cached by the app
+(``--no-analytics`` skips them: minutes on a big run). The sidebar filter is one SQL predicate
+for the store and the rollups; it is timed beside a pandas copy of it (the old way), interleaved.
 """
 
 from __future__ import annotations
@@ -22,21 +24,31 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "dashboards" / "streamlit"))
+sys.path.insert(0, str(ROOT))  # dashboards.streamlit.* (the app's own package)
 
-import queries as q  # noqa: E402
-import rollups  # noqa: E402
-import sample_store  # noqa: E402
-
+from dashboards.streamlit import rollups  # noqa: E402
+from dashboards.streamlit.queries import (  # noqa: E402
+    calibration,
+    ceiling,
+    compare,
+    cost_model,
+    overview,
+    requests,
+    shared,
+    windows,
+)
 from dspark_obs.store import Store  # noqa: E402
+from dspark_obs.testing import sample_store  # noqa: E402
 
 GOAL_P95_MS = 250.0
 
 
 def build_store(root: Path, rows: int, run_pairs: int) -> Store:
     store = Store(root)
-    have = q.store_rows(store)["req_steps"] if root.exists() else 0
+    have = shared.store_rows(store)["req_steps"] if root.exists() else 0
     if have >= rows:
         print(f"store {root}: {have:,} req-step rows already (reusing it)")
         return store
@@ -81,6 +93,47 @@ def p95(values: list[float]) -> float:
     )
 
 
+def pandas_select(rows, f, run_modes, workload=True):
+    """Baseline only: the filter as the pandas copy the app had before it used one SQL
+    predicate for the store and the rollups (shared.select). Same answer, timed beside it."""
+    keep = np.ones(len(rows), dtype=bool)
+    if f.runs:
+        keep &= rows["run_id"].isin(f.runs).to_numpy()
+    if f.modes:
+        picked = run_modes.loc[run_modes["mode"].isin(f.modes), "run_id"]
+        keep &= rows["run_id"].isin(picked).to_numpy()
+    if f.workloads and workload and "workload" in rows.columns:
+        keep &= rows["workload"].isin(f.workloads).to_numpy()
+    return rows.loc[keep]
+
+
+def filter_side_by_side(cases: dict[str, Callable[[], object]], reps: int) -> None:
+    """Each query with shared.select and with the pandas baseline, interleaved: CPU ms."""
+    users = (ceiling, compare, cost_model, overview, windows)  # modules that call select
+    sql_select = shared.select
+
+    def use(fn: Callable) -> None:
+        for m in users:
+            m.select = fn
+
+    print(f"\n{'filter: SQL predicate vs pandas copy':44s} {'SQL CPU':>9s} {'pandas':>9s} "
+          f"{'ratio':>7s}")  # fmt: skip
+    try:
+        for name, fn in cases.items():
+            cpu: dict[str, list[float]] = {"sql": [], "pandas": []}
+            for _ in range(reps):
+                for which, sel in (("sql", sql_select), ("pandas", pandas_select)):
+                    use(sel)
+                    fn()  # warm this variant (caches, DuckDB)
+                    c = time.process_time()
+                    fn()
+                    cpu[which].append(1e3 * (time.process_time() - c))
+            a, b = statistics.median(cpu["sql"]), statistics.median(cpu["pandas"])
+            print(f"{name:44s} {a:9.1f} {b:9.1f} {a / b:6.2f}x")
+    finally:
+        use(sql_select)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=10_000_000)
@@ -88,35 +141,38 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--store", type=Path, default=Path("/tmp/dspark-bench-dashboard-store"))
     ap.add_argument("--naive-reps", type=int, default=3)
+    ap.add_argument("--analytics", action=argparse.BooleanOptionalAction, default=True,
+                    help="Time the per-run estimator and calibration too.")  # fmt: skip
     args = ap.parse_args()
     store = build_store(args.store, args.rows, args.runs)
-    rows = q.store_rows(store)
-    runs = q.run_table(store)
+    rows = shared.store_rows(store)
+    runs = overview.run_table(store)
     compact = runs[runs["mode"] == "compact"]["run_id"].iloc[0]
     cap = runs[runs["companion_of"] == compact]["run_id"].iloc[0]
-    req = q.request_list(store, q.Filters(runs=(compact,)), limit=1).iloc[0]["rid"]
-    one = q.Filters(runs=(compact,))
-    everything = q.Filters()
-    mixed = q.Filters(workloads=("math", "chat"), modes=("compact", "cap-accept"))
+    req = requests.request_list(store, shared.Filters(runs=(compact,)), limit=1).iloc[0]["rid"]
+    one = shared.Filters(runs=(compact,))
+    everything = shared.Filters()
+    mixed = shared.Filters(workloads=("math", "chat"), modes=("compact", "cap-accept"))
     print(f"store: {rows}")
 
     cases: dict[str, Callable[[], object]] = {
-        "store_rows": lambda: q.store_rows(store),
-        "filter_options": lambda: q.filter_options(store),
-        "run_table (all runs)": lambda: q.run_table(store, everything),
-        "workload_table (all)": lambda: q.workload_table(store, everything),
-        "latency (all)": lambda: q.latency(store, everything),
-        "window_histogram (all)": lambda: q.window_histogram(store, everything),
-        "window_histogram (2 workloads, 2 modes)": lambda: q.window_histogram(store, mixed),
-        "window_per_step (one run)": lambda: q.window_per_step(store, one),
-        "budget_per_step (one run)": lambda: q.budget_per_step(store, one),
-        "ceiling_by_workload (all)": lambda: q.ceiling_by_workload(store, everything),
-        "cost_model (all)": lambda: q.cost_model(store, everything),
-        "cost_table_of": lambda: q.cost_table_of(store, compact),
-        "request_list (one run)": lambda: q.request_list(store, one),
-        "request_steps": lambda: q.request_steps(store, compact, req),
-        "request_detail": lambda: q.request_detail(store, compact, req),
-        "compare_runs (bootstrap 400)": lambda: q.compare_runs(store, compact, cap),
+        "store_rows": lambda: shared.store_rows(store),
+        "filter_options": lambda: shared.filter_options(store),
+        "run_table (all runs)": lambda: overview.run_table(store, everything),
+        "accept_by_workload (all)": lambda: overview.accept_by_workload(store, everything),
+        "workload_summary view (2 runs)": lambda: compare.workload_summary(store, (compact, cap)),
+        "latency (all)": lambda: overview.latency(store, everything),
+        "window_histogram (all)": lambda: windows.window_histogram(store, everything),
+        "window_histogram (2 workloads, 2 modes)": lambda: windows.window_histogram(store, mixed),
+        "window_per_step (one run)": lambda: windows.window_per_step(store, one),
+        "budget_per_step (one run)": lambda: windows.budget_per_step(store, one),
+        "ceiling_by_workload (all)": lambda: ceiling.ceiling_by_workload(store, everything),
+        "cost_model (all)": lambda: cost_model.cost_model(store, everything),
+        "cost_table_of": lambda: cost_model.cost_table_of(store, compact),
+        "request_list (one run)": lambda: requests.request_list(store, one),
+        "request_steps": lambda: requests.request_steps(store, compact, req),
+        "request_detail": lambda: requests.request_detail(store, compact, req),
+        "compare_runs (bootstrap 400)": lambda: compare.compare_runs(store, compact, cap),
     }
     rollups._cache.clear()
     rollups._joined.clear()
@@ -168,7 +224,7 @@ def main() -> int:
     print(f"\n{'naive scan (same answer)':44s} {'median ms':>9s} {'ratio':>9s}")
     for name, fn, ref in (
         ("SQL scan: window histogram", sql_hist, "window_histogram (all)"),
-        ("SQL scan: workload_summary view", sql_workloads, "workload_table (all)"),
+        ("SQL scan: workload_summary view", sql_workloads, "accept_by_workload (all)"),
         ("SQL scan: per-run req-step aggregates", sql_runs, "run_table (all runs)"),
         ("SQL scan: latency quantiles", sql_latency, "latency (all)"),
         ("pandas scan: window histogram", pandas_hist, "window_histogram (all)"),
@@ -176,12 +232,28 @@ def main() -> int:
         med = statistics.median(timed(fn, args.naive_reps))
         print(f"{name:44s} {med:9.1f} {med / results[ref][0]:8.1f}x")
 
-    print(f"\n{'per-run analytics (cached per run by the app)':44s} {'median ms':>9s}")
-    for name, fn in (
-        (f"ceiling_estimate ({compact})", lambda: q.ceiling_estimate(store, compact)),
-        (f"calibration ({compact})", lambda: q.calibration(store, compact)),
-    ):
-        print(f"{name:44s} {statistics.median(timed(fn, 1)):9.1f}")
+    filter_side_by_side(
+        {
+            "compare_runs": cases["compare_runs (bootstrap 400)"],
+            "window_histogram (2 workloads, 2 modes)": cases[
+                "window_histogram (2 workloads, 2 modes)"
+            ],
+            "run_table (2 workloads, 2 modes)": lambda: overview.run_table(store, mixed),
+            "ceiling_by_workload (2 workloads, 2 modes)": lambda: ceiling.ceiling_by_workload(
+                store, mixed
+            ),
+            "cost_model (2 workloads, 2 modes)": lambda: cost_model.cost_model(store, mixed),
+        },
+        args.reps,
+    )
+
+    if args.analytics:
+        print(f"\n{'per-run analytics (cached per run by the app)':44s} {'median ms':>9s}")
+        for name, fn in (
+            (f"ceiling_estimate ({compact})", lambda: ceiling.ceiling_estimate(store, compact)),
+            (f"calibration ({compact})", lambda: calibration.calibration(store, compact)),
+        ):
+            print(f"{name:44s} {statistics.median(timed(fn, 1)):9.1f}")
 
     worst = max(p for _, p in results.values())
     print(f"\nworst p95 {worst:.1f} ms (goal < {GOAL_P95_MS:.0f} ms): "

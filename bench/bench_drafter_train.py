@@ -42,7 +42,7 @@ WORKLOADS = ("math", "chat", "poetry")
 
 def cmd_prompts(a: argparse.Namespace) -> None:
     from dspark_obs.engine.drafter_eval import eval_prompt_ids
-    from dspark_obs.engine.train import workload_prompts
+    from dspark_obs.engine.train_data import workload_prompts
     from dspark_obs.engine.weights import load_smollm2, stop_token_ids
 
     _, tok = load_smollm2(path=a.gguf)
@@ -107,6 +107,13 @@ def snapshot_monitor(a: argparse.Namespace, out: Path) -> Any:
     return on_snapshot
 
 
+SAME_NAMED_ARGS = (
+    "gamma", "steps", "batch_size", "lr", "resume", "seed", "max_new_tokens", "blocks_per_seq",
+    "gamma_decay", "gen_batch_size", "warmup", "ckpt_every", "log_every",
+)  # fmt: skip
+"""``run``'s options passed to train_drafter under the same name."""
+
+
 def cmd_run(a: argparse.Namespace) -> None:
     from dspark_obs.engine.model import ModelConfig, Target
     from dspark_obs.engine.weights import load_target_from_gguf
@@ -132,20 +139,8 @@ def cmd_run(a: argparse.Namespace) -> None:
         target,
         out_dir=out,
         prompts=train,
-        gamma=a.gamma,
-        steps=a.steps,
-        batch_size=a.batch_size,
-        lr=a.lr,
-        resume=a.resume,
         device=dev,
-        seed=a.seed,
-        max_new_tokens=a.max_new_tokens,
-        blocks_per_seq=a.blocks_per_seq,
-        gamma_decay=a.gamma_decay,
-        gen_batch_size=a.gen_batch_size,
-        warmup=a.warmup,
-        ckpt_every=a.ckpt_every,
-        log_every=a.log_every,
+        **{name: getattr(a, name) for name in SAME_NAMED_ARGS},
         time_budget_s=a.time_budget,
         eos_ids=eos,
         drafter_config=json.loads(a.drafter_config) if a.drafter_config else None,
@@ -242,8 +237,9 @@ def cmd_heads(a: argparse.Namespace) -> None:
     confidence, so one run scores both): raw ECE per position and AUROC at position 1."""
     import numpy as np
 
+    from dspark_obs.analytics.calibration import auroc, ece
     from dspark_obs.engine.drafter import Drafter
-    from dspark_obs.engine.drafter_eval import auroc, ece_parity, eval_prompt_ids, speculative_run
+    from dspark_obs.engine.drafter_eval import eval_prompt_ids, speculative_run
     from dspark_obs.engine.weights import load_smollm2, stop_token_ids
 
     target, tok = load_smollm2(device=a.device, path=a.gguf)
@@ -277,7 +273,7 @@ def cmd_heads(a: argparse.Namespace) -> None:
         out[w] = {}
         for head, i in (("sampling", 0), ("greedy", 1)):
             surv = np.cumprod(1 / (1 + np.exp(-z[:, :, i])), 1)
-            eces = [ece_parity(surv[:, j], (c >= j + 1).astype(float)) for j in range(a.gamma)]
+            eces = [ece(surv[:, j], (c >= j + 1).astype(float)) for j in range(a.gamma)]
             out[w][head] = {
                 "ece_raw": eces,
                 "auroc_1": auroc(z[:, 0, i], c >= 1),

@@ -35,6 +35,7 @@ from dspark_obs.sglang.engine_server import (  # noqa: E402
     ServerOptions,
     build_service,
 )
+from dspark_obs.testing.tiny_models import byte_models  # noqa: E402
 
 GENERATE = json.dumps(
     {"text": "hello", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
@@ -93,7 +94,7 @@ CASES = {
 
 
 def measure(server_cls: Any, requests: int, repeats: int) -> dict[str, list[tuple[float, float]]]:
-    svc = build_service(ServerOptions(tiny=True, port=0, max_batch=4), env={})
+    svc = build_service(ServerOptions(port=0, max_batch=4), env={}, models=byte_models())
     srv = server_cls(svc, "127.0.0.1", 0).start()
     port = int(srv.url.rsplit(":", 1)[1])
     try:

@@ -4,7 +4,7 @@
 
 Rows are realistic ReqDetail rows (gamma=5 by default: draft_tokens, confidence and survival
 lists, a window per request chosen 1..gamma+1, accepted prefix, cap_trim, workload labels).
-The timed path is what a producer's batch goes through: ``schema.validate`` (included), then
+The timed path is what a producer's batch goes through: ``validation.validate`` (included), then
 ``Store.write`` (dedupe against stored keys, Parquet segment, fsync, atomic rename, directory
 fsync). Building the Arrow batches is not timed: producers hand the fan-out columnar batches.
 
@@ -41,7 +41,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from dspark_obs import schema
+from dspark_obs import validation
 from dspark_obs.store import Store
 from dspark_obs.store.views import duckdb_types
 
@@ -104,7 +104,7 @@ def req_step_batch(
         "is_last": pa.array(is_last),
         "ts": pa.array(1_790_000_000_000_000 + fct * 25_000, pa.timestamp("us", tz="UTC")),
     }
-    return schema.to_table("req_steps", pa.table(cols))[0]
+    return validation.to_table("req_steps", pa.table(cols))[0]
 
 
 @dataclass
@@ -137,20 +137,23 @@ def bench_store(
     root = workdir / "store"
     shutil.rmtree(root, ignore_errors=True)
     if path == "write only":
-        batches = [schema.validate("req_steps", b)[0] for b in batches]  # untimed
+        batches = [validation.validate("req_steps", b)[0] for b in batches]  # untimed
     in_validate = 0.0
     t0, c0 = time.perf_counter(), time.process_time()
     with Store(root) as store:
         for batch in batches:
             if path in ("fanout", "baseline"):
-                rules = baseline if path == "baseline" and baseline is not None else schema
+                old = baseline if path == "baseline" and baseline is not None else None
                 v0 = time.process_time()  # CPU: steadier than wall on a shared machine
-                batch, errors = rules.validate("req_steps", batch)
+                if old is None:
+                    batch, errors = validation.check("req_steps", batch)  # as FanOut.emit
+                else:
+                    batch, errors = old.validate("req_steps", batch)
                 in_validate += time.process_time() - v0
                 if errors:
                     raise SystemExit(f"benchmark data failed validation: {errors[0]}")
-                if rules is not schema:  # the old store did not validate again
-                    batch = schema._mark_validated(batch)
+                if old is not None:  # the old store did not validate again
+                    batch = validation.ValidatedBatch("req_steps", batch, validation._MINT)
             ack = store.write("req_steps", batch)
             if ack.rejected:
                 raise SystemExit(f"benchmark data failed validation: {ack.rejected[0]}")

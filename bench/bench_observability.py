@@ -63,7 +63,8 @@ class _Sink(BaseHTTPRequestHandler):
 
 
 def tiny_setup(n: int, new_tokens: int) -> tuple[Models, list[GenRequest]]:
-    from dspark_obs.engine.drafter import Drafter, DrafterConfig
+    from dspark_obs.engine.drafter import Drafter
+    from dspark_obs.engine.drafter_config import DrafterConfig
     from dspark_obs.engine.model import ModelConfig, Target
 
     torch.manual_seed(0)

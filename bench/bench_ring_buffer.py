@@ -6,9 +6,12 @@ JSON). Measured: the collector's path (msgspec scan keeping each record as a raw
 JSON reader per chunk, chunks in parallel, validated store writes) over the whole buffer, wall
 and CPU time (CPU is the quiet-machine proxy while other work loads the cores); and, side by
 side on a slice of it, the same path against ``json.loads`` + row-wise conversion to dicts +
-the same store writes (the whole buffer that way would need tens of GB of Python objects).
+the same store writes (the whole buffer that way would need tens of GB of Python objects);
+and the parsers tried, parse only, CPU-s on the slice: Arrow's reader (the one used), DuckDB's
+read_json (it casts "12", 1.5, true into integers SGLang's types refuse), msgspec typed
+structs, msgspec typed decoding into columns.
 
-    python bench/bench_ring_buffer.py                     # the full buffer (goal <= 15 s)
+    python bench/bench_ring_buffer.py                     # the full buffer, 3 reps (goal <= 15 s)
     python bench/bench_ring_buffer.py --records 20000     # a quicker look
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import resource
@@ -24,13 +28,16 @@ import statistics
 import sys
 import tempfile
 import time
+from operator import attrgetter
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import numpy as np
 import pyarrow as pa
 
 from dspark_obs.fanout import FanOut
-from dspark_obs.schema import REQ_STEPS
+from dspark_obs.schema import REQ_STEPS, SGLANG_REQ_INT_FIELDS
 from dspark_obs.sglang.records import decode_server_info, records_to_tables
 from dspark_obs.store import Store
 
@@ -91,7 +98,8 @@ def server_info_body(records: int, batch: int, seed: int = 0) -> bytes:
         }
     )[:-1]
     parts = [
-        b'{"model_path":"bench","startup_time":1.0,"internal_states":[{"dspark_info_record":',
+        b'{"model_path":"bench","startup_time":{"load_weight":1.0,"scheduler_e2e":2.0},'
+        b'"internal_states":[{"dspark_info_record":',
         head.encode(),
         b',"records":[',
     ]
@@ -103,6 +111,18 @@ def server_info_body(records: int, batch: int, seed: int = 0) -> bytes:
 PHASES: dict[str, float] = {}
 
 
+def _load(path: Path) -> Any:
+    """A records module from a file (``git show REV:dspark_obs/sglang/records.py > f.py``)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("baseline_records", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # msgspec resolves its annotations there
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def cpu_seconds() -> float:
     """CPU time of this process (every thread) and its children: on a loaded machine the
     proxy for what the work costs on a quiet one."""
@@ -111,8 +131,9 @@ def cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def ours(body: bytes, root: Path) -> tuple[float, int]:
-    """The collector's path: scan, Arrow per chunk, validated store writes."""
+def ours(body: bytes, root: Path, to_tables: Any = records_to_tables) -> tuple[float, int]:
+    """The collector's path: scan, Arrow per chunk, validated store writes (``to_tables``: a
+    baseline's records_to_tables, for a side-by-side run)."""
     t0 = time.perf_counter()
     info = decode_server_info(body)
     PHASES["scan"] = time.perf_counter() - t0
@@ -120,7 +141,7 @@ def ours(body: bytes, root: Path) -> tuple[float, int]:
     fan = FanOut([Store(root)])
     rows = 0
     for dp, dump in enumerate(info.dumps):
-        chunks = records_to_tables(
+        chunks = to_tables(
             dump.records, run_id="bench", dp_rank=dp, gamma=dump.gamma, mode=dump.mode
         )
         while True:
@@ -154,11 +175,54 @@ def _duck_type(t: pa.DataType) -> str:
     return _DUCK_TYPES[str(t)]
 
 
+class _ColReq(msgspec.Struct, gc=False):
+    """A ReqDetail whose ints msgspec checks and whose lists stay raw slices."""
+
+    req_pool_index: int
+    prefix_len: int
+    verify_len: int
+    acc_len: int
+    correct_drafts: int
+    cap_trim: int
+    bonus_token: int
+    draft_tokens: msgspec.Raw
+    rid: str | None = None
+    confidence: msgspec.Raw = msgspec.Raw(b"null")
+    survival: msgspec.Raw = msgspec.Raw(b"null")
+
+
+class _ColRec(msgspec.Struct, gc=False):
+    forward_ct: int
+    reqs: list[_ColReq] = []
+
+
+def msgspec_columns(recs: list) -> dict[str, np.ndarray]:
+    """msgspec typed decoding into columns: each ReqDetail a :class:`_ColReq`, then one column
+    per field and each list field decoded in bulk (one ``list[list[float]]`` decode per field)
+    into a flat numpy array."""
+    steps = msgspec.json.decode(b"[" + b",".join(recs) + b"]", type=list[_ColRec])
+    reqs = [q for rec in steps for q in rec.reqs]
+    cols = {
+        f: np.fromiter(map(attrgetter(f), reqs), np.int64, len(reqs)) for f in SGLANG_REQ_INT_FIELDS
+    }
+    for f, item, dtype in (
+        ("draft_tokens", int, np.int32),
+        ("confidence", float, np.float32),
+        ("survival", float, np.float32),
+    ):
+        lists = msgspec.json.decode(
+            b"[" + b",".join(map(attrgetter(f), reqs)) + b"]", type=list[list[item] | None]
+        )
+        cols[f + "_len"] = np.fromiter(map(len, lists), np.int64, len(lists))
+        cols[f] = np.fromiter(itertools.chain.from_iterable(lists), dtype)
+    return cols
+
+
 def parse_alternatives(body: bytes, reps: int) -> str:
     """CPU time to parse one slice (medians of ``reps``): Arrow's JSON reader single-threaded
     (what records_to_tables runs, a chunk per core) and with its own threads, DuckDB's
-    read_json, msgspec typed structs. CPU, not wall: on a shared machine wall time is mostly
-    waiting for a core."""
+    read_json, msgspec typed structs, and msgspec typed decoding into columns. CPU, not wall:
+    on a shared machine wall time is mostly waiting for a core."""
     import io
 
     import duckdb
@@ -191,6 +255,9 @@ def parse_alternatives(body: bytes, reps: int) -> str:
         "msgspec typed structs (one Python object per row)": lambda: typed.decode(
             b"[" + b",".join(recs) + b"]"
         ),
+        "msgspec into columns (int fields typed, lists decoded in bulk)": lambda: msgspec_columns(
+            recs
+        ),
     }
     cpu: dict[str, list[float]] = {name: [] for name in parsers}
     for _ in range(reps):
@@ -201,6 +268,26 @@ def parse_alternatives(body: bytes, reps: int) -> str:
     med = {k: statistics.median(v) for k, v in cpu.items()}
     return f"parse only, {len(recs):,} records, CPU seconds: " + "; ".join(
         f"{name} {sec:.2f}" for name, sec in med.items()
+    )
+
+
+def parse_path_side_by_side(body: bytes, base: Any, reps: int) -> str:
+    """CPU of records_to_tables alone (one worker), this one and the baseline's, alternated."""
+    recs = decode_server_info(body).dumps[0].records
+    cpu: dict[str, list[float]] = {"this": [], "baseline": []}
+    tables = {"this": records_to_tables, "baseline": base.records_to_tables}
+    for rep in range(reps):
+        for name in ("this", "baseline") if rep % 2 == 0 else ("baseline", "this"):
+            c0 = cpu_seconds()
+            for _ in tables[name](
+                recs, run_id="b", dp_rank=0, gamma=GAMMA, mode="compact", workers=1
+            ):
+                pass
+            cpu[name].append(cpu_seconds() - c0)
+    this, old = statistics.median(cpu["this"]), statistics.median(cpu["baseline"])
+    return (
+        f"parse path alone (records_to_tables, 1 worker), {len(recs):,} records, CPU-s medians "
+        f"of {reps}: this {this:.2f}, baseline {old:.2f} (baseline / this {old / this:.2f}x)"
     )
 
 
@@ -243,6 +330,12 @@ def main() -> None:
         help="the slice timed side by side with json.loads + row-wise conversion",
     )
     ap.add_argument("--reps", type=int, default=3, help="repetitions of the side-by-side slice")
+    ap.add_argument("--full-reps", type=int, default=3, help="repetitions of the full buffer")
+    ap.add_argument(
+        "--baseline-records",
+        type=Path,
+        help="an older dspark_obs/sglang/records.py, run side by side on the full buffer",
+    )
     args = ap.parse_args()
     print("rerun: python bench/bench_ring_buffer.py " + " ".join(sys.argv[1:]), flush=True)
     print(
@@ -271,6 +364,9 @@ def main() -> None:
             flush=True,
         )
         print(parse_alternatives(small, args.reps), flush=True)
+        base = None if args.baseline_records is None else _load(args.baseline_records)
+        if base is not None:
+            print(parse_path_side_by_side(small, base, args.reps), flush=True)
         del small
         gc.collect()
 
@@ -281,18 +377,45 @@ def main() -> None:
             f"{time.perf_counter() - t0:.1f} s",
             flush=True,
         )
-        cpu0 = cpu_seconds()
-        seconds, rows = ours(body, tmp / "full")
-        cpu = cpu_seconds() - cpu0
+        walls, cpus, ratios = [], [], []
+        for rep in range(args.full_reps):
+            order = ["this", "base"] if rep % 2 == 0 else ["base", "this"]  # alternate
+            for which in order if base is not None else ["this"]:
+                cpu0 = cpu_seconds()
+                tables = records_to_tables if which == "this" else base.records_to_tables
+                wall, n = ours(body, tmp / f"{which}{rep}", tables)
+                cpu_used = cpu_seconds() - cpu0
+                shutil.rmtree(tmp / f"{which}{rep}", ignore_errors=True)
+                if which == "this":
+                    seconds, rows, this_cpu = wall, n, cpu_used
+                    walls.append(wall)
+                    cpus.append(cpu_used)
+                else:
+                    b_seconds, b_rows, b_cpu = wall, n, cpu_used
+                print(
+                    f"  {'full buffer' if which == 'this' else 'baseline'} rep {rep + 1}: "
+                    f"{wall:.1f} s wall, {cpu_used:.1f} CPU-s; phases: {phases()}; load "
+                    "average {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()),
+                    flush=True,
+                )
+            if base is not None:
+                assert b_rows == rows, (b_rows, rows)
+                ratios.append((b_seconds / seconds, b_cpu / this_cpu))
+        if ratios:
+            print(
+                f"baseline / this: wall {statistics.median(r[0] for r in ratios):.2f}x, "
+                f"CPU {statistics.median(r[1] for r in ratios):.2f}x (medians of {len(ratios)})"
+            )
+        seconds, cpu = statistics.median(walls), statistics.median(cpus)
         print(
             f"full buffer: {args.records:,} records, {rows:,} rows parsed and stored in "
-            f"{seconds:.1f} s wall, {cpu:.1f} s CPU ({cpu / (os.cpu_count() or 1):.1f} s if "
-            f"spread over {os.cpu_count()} idle cores) = {rows / seconds:,.0f} rows/s (goal "
-            "<= 15 s); load average {:.1f} {:.1f} {:.1f}".format(*os.getloadavg())
+            f"{seconds:.1f} s wall, {cpu:.1f} s CPU (medians of {args.full_reps}; "
+            f"{cpu / (os.cpu_count() or 1):.1f} s if spread over {os.cpu_count()} idle cores) "
+            f"= {rows / seconds:,.0f} rows/s (goal <= 15 s)"
         )
         print(
-            f"  phases: {phases()} (scan: msgspec over the body; parse: Arrow JSON per "
-            "chunk; store: validation + Parquet segments)"
+            "  phases: scan: msgspec over the body; parse: waiting for Arrow JSON per chunk "
+            "(chunks parsed in worker threads); store: validation + Parquet segments"
         )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

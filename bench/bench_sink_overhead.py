@@ -90,7 +90,8 @@ class _DropOtlp(BaseHTTPRequestHandler):
 
 
 def tiny_models() -> Models:
-    from dspark_obs.engine.drafter import Drafter, DrafterConfig
+    from dspark_obs.engine.drafter import Drafter
+    from dspark_obs.engine.drafter_config import DrafterConfig
     from dspark_obs.engine.model import ModelConfig, Target
 
     torch.manual_seed(0)

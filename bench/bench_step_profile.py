@@ -31,6 +31,7 @@ import torch
 
 from dspark_obs.engine import batched
 from dspark_obs.engine.loop import Engine, EngineConfig
+from dspark_obs.engine.no_spec import run_no_spec
 from dspark_obs.engine.session import load_models, traffic_to_requests
 from dspark_obs.fanout import FanOut, MemorySink
 from dspark_obs.workloads import load_traffic
@@ -82,7 +83,7 @@ def engine_run(models: Any, reqs: list, bs: int, tiers: dict, device: str) -> di
 def nospec_run(models: Any, reqs: list, bs: int, device: str) -> dict[str, Any]:
     sync(device)
     t0 = time.perf_counter()
-    res = batched.run_no_spec(
+    res = run_no_spec(
         models.target,
         reqs,
         max_batch=bs,

@@ -3,7 +3,7 @@
 Synthetic steps of the shape the engine produces (gamma 5, a quarter of the rows censored
 with their estimator fields, a few ``pg`` entries per step) at several batch sizes. Per
 batch size and path, ``--steps`` steps are turned into one hand-over (the engine hands
-records over every 32 steps by default) and validated (``schema.validate``, as ``FanOut.emit``
+records over every 32 steps by default) and validated (``validation.validate``, as ``FanOut.emit``
 does); the figure is the median over ``--reps`` of CPU microseconds per step (this thread's
 CPU time, ``time.thread_time``: on a loaded machine wall time mostly measures preemption):
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from dspark_obs import schema
+from dspark_obs import validation
 from dspark_obs.engine.step_records import PgEntries, StepArrays, StepRecordBuilder
 
 GAMMA = 5
@@ -111,7 +111,7 @@ def main() -> None:
         for _ in range(args.reps):
             t0 = time.thread_time()
             rows = [r for s in steps for r in dict_rows(s, rids)]
-            _, errors = schema.validate("req_steps", rows)
+            _, errors = validation.validate("req_steps", rows)
             times["dicts"].append(time.thread_time() - t0)
             assert not errors
             t0 = time.thread_time()
@@ -122,7 +122,7 @@ def main() -> None:
             ])  # fmt: skip
             for s in steps:
                 b.add(step_arrays(s, req))
-            _, errors = schema.validate("req_steps", b.build()["req_steps"])
+            _, errors = validation.validate("req_steps", b.build()["req_steps"])
             times["columns"].append(time.thread_time() - t0)
             assert not errors
         d, c = (statistics.median(times[k]) / args.steps * 1e6 for k in ("dicts", "columns"))

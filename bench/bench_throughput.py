@@ -13,9 +13,9 @@ taken within each repetition before the median.
 
 Variants:
 
-* ``nospec``: ``dspark_obs.engine.batched.run_no_spec`` (batched greedy decoding on the same
-  slot-pool runtime, CUDA graphs and ``--compile`` as DSpark), or with ``--nospec-impl local``
-  a plain batched greedy loop over the reference ``Target``.
+* ``nospec``: ``dspark_obs.engine.no_spec.run_no_spec``: greedy decoding, one token per
+  request per step, on the same runtime as the DSpark variants (``--backend``: the batched
+  slot pool with its CUDA graphs and ``--compile``, or the reference per-request caches).
 * ``static`` / ``compact``: ``Engine(...).run`` in that verify mode with records going to a
   ``FanOut([MemorySink()])`` (validation included, as in a real run); compact uses
   ``--cost-table`` (default: the shipped CPU table on CPU; none on CUDA, where compact then
@@ -68,8 +68,8 @@ from typing import Any
 
 import torch
 
-from dspark_obs.engine import batched
 from dspark_obs.engine.loop import Engine, EngineConfig, GenRequest
+from dspark_obs.engine.no_spec import run_no_spec
 from dspark_obs.engine.session import load_cost_table, load_models, traffic_to_requests
 from dspark_obs.fanout import FanOut, MemorySink
 from dspark_obs.serving.throughput import (
@@ -106,89 +106,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def local_no_spec(
-    target: Any, reqs: Sequence[GenRequest], max_batch: int, stop_ids: Sequence[int]
-) -> tuple[dict[str, list[int]], dict[str, tuple[float, float]], int]:
-    """Plain batched greedy decoding with continuous admission (the engine's order: arrival
-    step, then rid): one target token per running request per step. Returns the outputs,
-    ``(first_token_time, finish_time)`` per request (perf_counter) and the decode steps."""
-    stops = frozenset(int(t) for t in stop_ids)
-    waiting = sorted(reqs, key=lambda r: (r.arrival_step, r.rid))
-    running: list[list[Any]] = []  # [req, cache, output]
-    outputs: dict[str, list[int]] = {}
-    times: dict[str, tuple[float, float]] = {}
-    first: dict[str, float] = {}
-    steps = 0
-
-    def done(req: GenRequest, out: list[int]) -> bool:
-        return (out[-1] in stops and not req.ignore_eos) or len(out) >= req.max_new_tokens
-
-    def finish(req: GenRequest, out: list[int]) -> None:
-        outputs[req.rid] = out
-        times[req.rid] = (first[req.rid], time.perf_counter())
-
-    with torch.inference_mode():
-        while waiting or running:
-            new = []
-            while waiting and len(running) + len(new) < max_batch:
-                new.append(waiting.pop(0))
-            if new:
-                caches = [target.new_cache(len(r.prompt_ids) + r.max_new_tokens + 2) for r in new]
-                res = target.forward(
-                    [torch.tensor(r.prompt_ids, dtype=torch.long) for r in new],
-                    caches,
-                    last_logits_only=True,
-                )
-                toks = torch.cat(res.logits).argmax(-1).tolist()
-                now = time.perf_counter()
-                for r, c, t in zip(new, caches, toks, strict=True):
-                    first[r.rid] = now
-                    if done(r, [t]):
-                        finish(r, [t])
-                    else:
-                        running.append([r, c, [t]])
-            if not running:
-                continue
-            res = target.forward(
-                [torch.tensor([s[2][-1]], dtype=torch.long) for s in running],
-                [s[1] for s in running],
-            )
-            toks = torch.cat(res.logits).argmax(-1).tolist()
-            steps += 1
-            keep = []
-            for s, t in zip(running, toks, strict=True):
-                s[2].append(t)
-                if done(s[0], s[2]):
-                    finish(s[0], s[2])
-                else:
-                    keep.append(s)
-            running = keep
-    return outputs, times, steps
-
-
 def run_nospec(models: Any, reqs: Sequence[GenRequest], bs: int, device: torch.device,
-               batched: Any, compiled: bool = False) -> Measurement:
+               backend: str, compiled: bool = False) -> Measurement:
     work = {r.rid: r.workload or "custom" for r in reqs}
     _sync(device)
-    if batched is not None:
-        t0 = time.perf_counter()
-        res = batched.run_no_spec(models.target, list(reqs), max_batch=bs,
-                                  stop_ids=tuple(models.stop_ids),
-                                  cuda_graphs=device.type == "cuda", compiled=compiled)
-        _sync(device)
-        wall = time.perf_counter() - t0
-        outputs = {rid: list(out) for rid, out in res.outputs.items()}
-        stats = [RequestStat(rid, work[rid], len(out), res.times[rid][1] - res.times[rid][0])
-                 for rid, out in outputs.items()]
-        return Measurement("nospec", bs, -1, wall, int(res.committed_tokens), int(res.steps),
-                           stats, outputs, "clock")
     t0 = time.perf_counter()
-    outputs, times, steps = local_no_spec(models.target, reqs, bs, models.stop_ids)
+    res = run_no_spec(models.target, list(reqs), max_batch=bs, stop_ids=tuple(models.stop_ids),
+                      backend=backend, cuda_graphs=device.type == "cuda", compiled=compiled)
     _sync(device)
     wall = time.perf_counter() - t0
-    stats = [RequestStat(rid, work[rid], len(out), times[rid][1] - times[rid][0])
+    outputs = {rid: list(out) for rid, out in res.outputs.items()}
+    stats = [RequestStat(rid, work[rid], len(out), res.times[rid][1] - res.times[rid][0])
              for rid, out in outputs.items()]
-    return Measurement("nospec", bs, -1, wall, sum(len(o) for o in outputs.values()), steps,
+    return Measurement("nospec", bs, -1, wall, int(res.committed_tokens), int(res.steps),
                        stats, outputs, "clock")
 
 
@@ -285,9 +215,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (cpu 2, cuda 3)")
     ap.add_argument("--variants", default="nospec,static,compact",
                     help="subset of nospec,static,compact (hf: see --hf)")
-    ap.add_argument("--nospec-impl", choices=("auto", "batched", "local"), default="auto",
-                    help="auto / batched: batched.run_no_spec; local: the plain loop over "
-                         "the reference Target (auto with --backend reference)")
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
                     help="HF transformers generate at batch 1 (default on)")
     ap.add_argument("--hf-reps", type=int, default=1,
@@ -298,8 +225,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--cost-table", default=None,
                     help="cost table for compact (default: load_cost_table(None, device))")
     ap.add_argument("--backend", choices=("batched", "reference"), default="batched",
-                    help="engine backend for static / compact (reference: no-spec then uses "
-                         "the local loop over the reference Target too)")
+                    help="runtime of every variant, no-spec included (engine.no_spec)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="fuse each layer's dense pieces with torch.compile (default: on for "
                          "cuda, off for cpu)")
@@ -406,10 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if table is None:
         log("no cost table: compact verifies every draft (same windows as static)")
-    if args.backend == "reference" and args.nospec_impl == "auto":
-        args.nospec_impl = "local"
-    impl = batched if args.nospec_impl != "local" else None
-    nospec_impl = "dspark_obs.engine.batched.run_no_spec" if impl else "local batched greedy loop"
+    nospec_impl = f"dspark_obs.engine.no_spec.run_no_spec (backend {args.backend})"
     hf = None
     if args.hf and 1 in args.batches:
         log("building the HF LlamaForCausalLM from the target's weights")
@@ -428,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def run_one(v: str, reqs: Sequence[GenRequest], bs: int) -> Measurement:
         if v == "nospec":
-            return run_nospec(models, reqs, bs, device, impl, args.compile)
+            return run_nospec(models, reqs, bs, device, args.backend, args.compile)
         if v == "hf":
             return run_hf(hf, models, reqs, device)
         return run_engine(models, reqs, bs, v, table, device, args.compile, args.backend)
@@ -496,8 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "definition": "(completion_tokens - 1) / (finish_time - first_token_time), median "
                           "over requests",
             "static/compact": "engine requests rows (time.time)",
-            "nospec": "RunResult.times of run_no_spec (perf_counter)" if impl
-            else "per-request perf_counter clocks in the local loop",
+            "nospec": "RunResult.times of run_no_spec (perf_counter)",
             "hf": "perf_counter, first token from a generate streamer",
         },
         "queue_sizes": sizes,

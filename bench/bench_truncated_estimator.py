@@ -41,7 +41,8 @@ TINY_VOCAB = 6
 
 
 def _tiny_models(seed: int):
-    from dspark_obs.engine.drafter import Drafter, DrafterConfig
+    from dspark_obs.engine.drafter import Drafter
+    from dspark_obs.engine.drafter_config import DrafterConfig
     from dspark_obs.engine.model import ModelConfig, Target
     from dspark_obs.engine.session import Models
 
@@ -71,7 +72,7 @@ def _tiny_requests(n: int, seed: int, new_tokens: int) -> list[GenRequest]:
 
 
 def _tiny_table():
-    from dspark_obs.engine.costs import AdditiveCostTable
+    from dspark_obs.cost_table import AdditiveCostTable
 
     return AdditiveCostTable(0.01, (1, 16), (0.0, 0.0), (1, 8, 16, 64), (0.0, 0.01, 0.03, 0.15))
 

@@ -153,8 +153,7 @@ def main() -> int:
     if args.url:
         seen = capture_all(args.url, args.out)
     else:
-        sys.path.insert(0, str(HERE / "streamlit"))
-        import sample_store
+        from dspark_obs.testing import sample_store
 
         with tempfile.TemporaryDirectory() as tmp:
             store = args.store

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
-from dspark_obs.schema import RecordError, validate
+from dspark_obs.validation import RecordError, ValidatedBatch, check
 
 DEFAULT_QUEUE_BATCHES = 16
 """Batches a sink's queue holds before the producer waits (the engine hands over one batch
@@ -219,7 +219,8 @@ class FanOut:
 
     def emit(self, table: str, rows: Sequence[Mapping[str, Any]] | pa.Table) -> pa.Table:
         self._raise_failed()
-        batch, errors = validate(table, rows)
+        checked, errors = check(table, rows)
+        batch = checked.data
         self.errors.extend(errors)
         if errors:  # sinks that count rejections (telemetry) define rejected(errors)
             for i, sink in enumerate(self.sinks):
@@ -230,11 +231,11 @@ class FanOut:
                         sink.rejected(errors)
         if batch.num_rows:
             if self._lanes:
-                for lane in self._lanes:
-                    lane.put(table, batch, rows=batch.num_rows)
+                for sink, lane in zip(self.sinks, self._lanes, strict=True):
+                    lane.put(table, _payload(sink, checked), rows=batch.num_rows)
             else:
                 for sink in self.sinks:
-                    sink.write(table, batch)
+                    sink.write(table, _payload(sink, checked))
         return batch
 
     def drain(self) -> list[LaneStats]:
@@ -312,3 +313,10 @@ class MemorySink:
 
     def close(self) -> None:
         pass
+
+
+def _payload(sink: RecordSink, checked: ValidatedBatch) -> pa.Table | ValidatedBatch:
+    """What a sink receives: the ValidatedBatch itself for a sink that says it takes one
+    (``takes_validated``: the store, which then stores it without checking it again), the
+    plain Arrow table for every other sink."""
+    return checked if getattr(sink, "takes_validated", False) else checked.data

@@ -1,7 +1,7 @@
-"""The validation rules of the four tables: vectorized checks over whole Arrow batches.
+"""The validation rules of the tables: vectorized checks over whole Arrow batches.
 
 Each rule returns ``(field, mask of the rows that break it, the rule in words)``;
-``schema.validate`` turns the masks into one RecordError per rejected row. Every rule is
+``validation.validate`` turns the masks into one RecordError per rejected row. Every rule is
 listed in ``docs/parts/store.md`` ("What is validated"). Integers are clipped at +-2**40
 before any derived sum (``correct_drafts + cap_trim``), so nothing wraps near 2**63.
 """
@@ -75,27 +75,34 @@ def _enum(
 
 
 def _run_id_rules(data: pa.Table) -> list[Check]:
+    """Judged once per distinct run_id (a batch holds one or a few), then mapped to rows."""
     col = data.column("run_id")
-    nbytes = _np(pc.binary_length(col), 0)
-    checks = [("run_id", nbytes == 0, "must not be empty")]
+    ids = pc.unique(col)
+    checks = []
+    empty = pc.fill_null(pc.equal(pc.binary_length(ids), 0), False)
+    if pc.any(empty).as_py():
+        checks.append(("run_id", _rows_with(col, pc.filter(ids, empty)), "must not be empty"))
+    nbytes = _np(pc.binary_length(ids), 0)
     if nbytes.size and 3 * int(nbytes.max()) + 8 > schema.MAX_RUN_DIR_BYTES:  # quote(): <= 3x
-        too_long = {
-            r for r in pc.unique(col).to_pylist()
+        too_long = [
+            r for r in ids.to_pylist()
             if r is not None and len(schema.run_dir_name(r).encode()) > schema.MAX_RUN_DIR_BYTES
-        }
+        ]
         if too_long:
-            mask = pc.is_in(col, value_set=pa.array(sorted(too_long))).to_numpy(
-                zero_copy_only=False
-            )
             reason = (f"too long for a directory name (at most {schema.MAX_RUN_DIR_BYTES} bytes "
                       "once percent-encoded as run_id=...)")
-            checks.append(("run_id", mask, reason))
-    # Control characters (a newline, NUL, ...): the same rule as schema.run_id_problem.
-    control = pc.match_substring_regex(col, r"\p{C}")
+            checks.append(("run_id", _rows_with(col, pa.array(too_long, pa.string())), reason))
+    # Control characters (a newline, NUL, ...): the same rule as validation.run_id_problem.
+    control = pc.fill_null(pc.match_substring_regex(ids, r"\p{C}"), False)
     if pc.any(control).as_py():
-        mask = pc.fill_null(control, False).to_numpy(zero_copy_only=False)
-        checks.append(("run_id", mask, "holds control or format characters"))
+        checks.append(("run_id", _rows_with(col, pc.filter(ids, control)),
+                       "holds control or format characters"))
     return checks
+
+
+def _rows_with(col: pa.ChunkedArray, values: pa.Array) -> np.ndarray:
+    """Rows of ``col`` holding one of ``values``."""
+    return pc.is_in(col, value_set=values).to_numpy(zero_copy_only=False)
 
 
 def _sampling_rules(data: pa.Table) -> list[Check]:
@@ -169,8 +176,9 @@ def _probability_lists(data: pa.Table, field: str, gamma: np.ndarray) -> list[Ch
     lengths = _lengths(col)
     checks = [(field, (lengths != -1) & (lengths != gamma), "length must equal gamma")]
     flat = pc.list_flatten(col).to_numpy(zero_copy_only=False)
-    if flat.size:
-        bad_value = ~((flat >= 0.0) & (flat <= 1.0))  # NaN (and a null, as NaN) fail both
+    # two reductions decide a clean column (a NaN or a null, as NaN, fails both bounds)
+    if flat.size and not (flat.min() >= 0.0 and flat.max() <= 1.0):
+        bad_value = ~((flat >= 0.0) & (flat <= 1.0))
         if bad_value.any():
             row_of = np.repeat(np.arange(data.num_rows), np.maximum(lengths, 0))
             bad_rows = np.zeros(data.num_rows, dtype=bool)
@@ -185,6 +193,22 @@ _MAX_TIMESTAMP = {u: 253_402_300_799 * m for u, m in
 _LOGPROB_SLACK = 1e-6  # float rounding of a log-softmax that is 0 in exact arithmetic
 
 
+def _window_key_rules(
+    data: pa.Table, gamma: np.ndarray, fct: np.ndarray, verify_len: np.ndarray
+) -> list[Check]:
+    """A request-step's key and window, as stored rows and their amendments both carry them."""
+    return [
+        ("dp_rank", _ints(data.column("dp_rank"), 0) < 0, "dp_rank must be >= 0"),
+        ("forward_ct", fct < 0, "forward_ct must be >= 0"),
+        ("gamma", gamma < 1, "gamma must be >= 1"),
+        (
+            "verify_len",
+            (verify_len < 1) | (verify_len > gamma + 1),
+            "verify_len must be in 1..gamma+1",
+        ),
+    ]
+
+
 def _req_step_rules(data: pa.Table) -> list[Check]:
     gamma = _ints(data.column("gamma"), 0)
     fct = _ints(data.column("forward_ct"), 0)
@@ -196,14 +220,7 @@ def _req_step_rules(data: pa.Table) -> list[Check]:
     may_cut = _np(is_last, True) | null(is_last)  # unknown -> allow the final-step cut
     draft_len = _lengths(data.column("draft_tokens"))
     checks = [
-        ("dp_rank", _ints(data.column("dp_rank"), 0) < 0, "dp_rank must be >= 0"),
-        ("forward_ct", fct < 0, "forward_ct must be >= 0"),
-        ("gamma", gamma < 1, "gamma must be >= 1"),
-        (
-            "verify_len",
-            (verify_len < 1) | (verify_len > gamma + 1),
-            "verify_len must be in 1..gamma+1",
-        ),
+        *_window_key_rules(data, gamma, fct, verify_len),
         (
             "correct_drafts",
             (correct < 0) | (correct > np.maximum(verify_len - 1, 0)),
@@ -300,6 +317,22 @@ def _run_rules(data: pa.Table) -> list[Check]:
     ]
 
 
+def _amend_rules(data: pa.Table) -> list[Check]:
+    """A late estimator line: the row's key, gamma and window, and the same estimator rules
+    as an on-time line; it must carry at least one estimator field (else it amends nothing)."""
+    gamma = _ints(data.column("gamma"), 0)
+    fct = _ints(data.column("forward_ct"), 0)
+    verify_len = _ints(data.column("verify_len"), -1)
+    empty = np.ones(data.num_rows, dtype=bool)
+    for f in schema.AMENDED_FIELDS:
+        empty &= null(data.column(f))
+    return [
+        *_window_key_rules(data, gamma, fct, verify_len),
+        ("trimmed_tokens", empty, "an amendment needs trimmed_tokens, q_lp or pg"),
+        *_estimator_rules(data, gamma, verify_len, fct),
+    ]
+
+
 def _request_rules(data: pa.Table) -> list[Check]:
     fields = ("dp_rank", "prompt_tokens", "completion_tokens", "max_new_tokens")
     return [
@@ -314,10 +347,12 @@ _RULES = {
     "steps": _step_rules,
     "req_steps": _req_step_rules,
     "requests": _request_rules,
+    "req_step_amends": _amend_rules,
 }
 # Fields whose every value a table rule checks already (skipped by _value_rules).
 _CHECKED_VALUES = frozenset(
-    {("req_steps", "confidence"), ("req_steps", "survival"), ("req_steps", "q_lp")}
+    {("req_steps", "confidence"), ("req_steps", "survival"), ("req_steps", "q_lp"),
+     ("req_step_amends", "q_lp")}
     | {(t, f) for t in ("runs", "req_steps", "requests") for f in ("temperature", "top_p")}
     | {("steps", f) for f in schema.SGLANG_STEP_FLOAT_FIELDS if f.endswith("_ms")}
 )

@@ -16,7 +16,7 @@ from dspark_obs.analytics import (
     pair_companion,
     step_ceilings,
 )
-from dspark_obs.analytics.synthetic import simulate_pair
+from dspark_obs.testing.synthetic import simulate_pair
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from dspark_obs.analytics import (
 )
 from dspark_obs.analytics._frames import bootstrap_indices
 from dspark_obs.analytics.estimator import chain_survival, sample_ceilings
-from dspark_obs.analytics.synthetic import simulate_pair
+from dspark_obs.testing.synthetic import simulate_pair
 
 # ---------------------------------------------------------------- SGLang's recorder, re-read
 

@@ -9,8 +9,9 @@ import pandas as pd
 import pytest
 from rich.console import Console
 
-from dspark_obs.analytics import CompanionDivergence, StsCalibration, build_report
-from dspark_obs.analytics.synthetic import simulate_pair
+from dspark_obs.analytics import CompanionDivergence, build_report
+from dspark_obs.sts_file import StsCalibration
+from dspark_obs.testing.synthetic import simulate_pair
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,6 @@ import numpy as np
 import pytest
 
 from dspark_obs.analytics import (
-    StsCalibration,
-    StsFileError,
     apply_sts,
     fit_sts,
     fit_sts_heldout,
@@ -22,7 +20,8 @@ from dspark_obs.analytics import (
     temperature_grid,
 )
 from dspark_obs.analytics.sts import StsData
-from dspark_obs.analytics.synthetic import simulate_pair
+from dspark_obs.sts_file import StsCalibration, StsFileError
+from dspark_obs.testing.synthetic import simulate_pair
 
 
 def loop_ece(p, y, n_bins=15):

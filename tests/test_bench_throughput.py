@@ -213,14 +213,14 @@ def test_plots_and_table_written(tmp_path: Path) -> None:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
 
 
-# -- the HF reference and the local no-spec loop ----------------------------------------
+# -- the HF reference and the no-spec baseline --------------------------------------------
 
 
-def test_hf_conversion_matches_target_and_local_no_spec() -> None:
+def test_hf_conversion_matches_target_and_run_no_spec() -> None:
     from dspark_obs.engine.loop import GenRequest
     from dspark_obs.engine.model import ModelConfig, Target
+    from dspark_obs.engine.no_spec import run_no_spec
 
-    bench = _bench_module()
     torch.manual_seed(0)
     target = Target(ModelConfig.tiny(tie_embeddings=False)).eval()
     target.reset_parameters(std=0.2)  # peaked logits: no argmax near-ties
@@ -233,7 +233,8 @@ def test_hf_conversion_matches_target_and_local_no_spec() -> None:
 
     reqs = [GenRequest(f"r{i}", torch.randint(0, 128, (5 + 3 * i,)).tolist(), 12)
             for i in range(5)]
-    outputs, times, steps = bench.local_no_spec(target, reqs, max_batch=2, stop_ids=(0,))
+    res = run_no_spec(target, reqs, max_batch=2, stop_ids=(0,), backend="reference")
+    outputs, times, steps = res.outputs, res.times, res.steps
     assert set(outputs) == {r.rid for r in reqs}
     assert all(f <= e for f, e in times.values())
     for r in reqs:

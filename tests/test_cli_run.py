@@ -204,7 +204,8 @@ def test_a_run_id_the_store_cannot_hold_is_refused_up_front(
 
 
 def test_run_ids_at_the_limit_are_accepted_by_the_rule() -> None:
-    from dspark_obs.schema import MAX_RUN_DIR_BYTES, run_id_problem, validate
+    from dspark_obs.schema import MAX_RUN_DIR_BYTES
+    from dspark_obs.validation import run_id_problem, validate
 
     longest = "r" * (MAX_RUN_DIR_BYTES - len("run_id="))
     assert run_id_problem(longest) is None and run_id_problem(longest + "r") is not None
@@ -234,10 +235,11 @@ def test_a_prompt_at_the_context_edge_runs_and_one_past_is_refused_before_any_ro
     refused before the runs row (nothing is stored)."""
     import dataclasses
 
-    from test_sinks_prometheus import tiny_models, trimming_config
+    from test_sinks_prometheus import trimming_config
 
     from dspark_obs.engine.loop import EngineError, GenRequest
     from dspark_obs.engine.session import run_with_companion
+    from dspark_obs.testing.tiny_models import tiny_models
 
     models = tiny_models()
     config = dataclasses.replace(trimming_config(), backend=backend)

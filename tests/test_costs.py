@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dspark_obs.engine.costs import (
+from dspark_obs.cost_table import (
     AdditiveCostTable,
     CostTable,
     CostTableError,

@@ -2,7 +2,7 @@
 and the dashboard's queries against the project's own analytics.
 
 The store holds the project's synthetic compact run + cap-accept companion written through
-the real ingest path (dashboards/streamlit/sample_store.py); everything is real DuckDB.
+the real ingest path (dspark_obs/testing/sample_store.py); everything is real DuckDB.
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
 
-APP = Path(__file__).resolve().parents[1] / "dashboards" / "streamlit"
-sys.path.insert(0, str(APP))
+ROOT = Path(__file__).resolve().parents[1]
+APP = ROOT / "dashboards" / "streamlit"
+sys.path.insert(0, str(ROOT))  # the pages import dashboards.streamlit.* as a package
 
-import queries as q  # noqa: E402
-import rollups  # noqa: E402
-import sample_store  # noqa: E402
-
+from dashboards.streamlit import rollups  # noqa: E402
+from dashboards.streamlit.queries import calibration, ceiling, compare, overview, shared, windows  # noqa: E402
 from dspark_obs.analytics import pair_companion, window_histogram  # noqa: E402
 from dspark_obs.store import Store  # noqa: E402
+from dspark_obs.testing import sample_store  # noqa: E402
 
 PAGES = {
     "Overview.py": 4,  # page -> plotly charts expected with data
@@ -91,7 +91,7 @@ def test_overview_numbers_and_companion(store: Store, monkeypatch: pytest.Monkey
     assert metrics["ceiling / step"] != "unknown"
     assert any("ceiling measured by demo-cap" in h.value for h in at.subheader)
     assert "%" in metrics["utilization"] and metrics["utilization"] != "100.0%"
-    runs = q.run_table(store)
+    runs = overview.run_table(store)
     compact = runs.set_index("run_id").loc["demo-compact"]
     assert compact["companion"] == "demo-cap" and compact["companion_status"] == "identical"
     reqs = store.query("SELECT sum(completion_tokens) FROM requests WHERE run_id='demo-compact'")
@@ -109,7 +109,7 @@ def test_workload_filter_narrows_every_chart(store: Store, monkeypatch: pytest.M
 def test_calibration_page_offers_sts_json(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     at = _app(monkeypatch, store.root, "pages/3_Calibration.py")
     assert not at.exception
-    cal = q.calibration(store, at.selectbox[0].value)
+    cal = calibration.calibration(store, at.selectbox[0].value)
     sts = json.loads(cal.sts_json)
     assert len(sts["temperatures"]) == 5 and all(t > 0 for t in sts["temperatures"])
     assert set(cal.metrics["variant"]) == {"raw", "sts"}
@@ -121,7 +121,7 @@ def test_calibration_page_offers_sts_json(store: Store, monkeypatch: pytest.Monk
 def test_compare_page_shows_differences(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     at = _app(monkeypatch, store.root, "pages/6_Compare.py")
     assert not at.exception
-    cmp = q.compare_runs(store, "demo-compact", "demo-cap")
+    cmp = compare.compare_runs(store, "demo-compact", "demo-cap")
     row = cmp.set_index("metric").loc["utilization (committed / ceiling)"]
     assert np.isnan(row["a"]) and np.isnan(row["diff"])  # compact's ceiling is hidden
     assert row["b"] < 1.0 and "demo-compact: ceiling hidden" in row["note"]
@@ -131,7 +131,7 @@ def test_compare_page_shows_differences(store: Store, monkeypatch: pytest.Monkey
 
 
 def test_window_histogram_matches_the_analytics(store: Store) -> None:
-    sql = q.window_histogram(store, q.Filters(runs=("demo-compact",)))
+    sql = windows.window_histogram(store, shared.Filters(runs=("demo-compact",)))
     rows = store.query("FROM req_steps WHERE run_id = 'demo-compact'").to_pandas()
     ref = window_histogram(rows, by=("workload",))
     ref = ref[ref["steps"] > 0].reset_index(drop=True)
@@ -142,14 +142,14 @@ def test_window_histogram_matches_the_analytics(store: Store) -> None:
 
 
 def test_ceiling_matches_companion_pairing(store: Store) -> None:
-    truth = q.ceiling_by_workload(store).set_index("workload")
+    truth = ceiling.ceiling_by_workload(store).set_index("workload")
     rows = store.query("FROM req_steps").to_pandas()
     comp = pair_companion(
         rows[rows.run_id == "demo-compact"], rows[rows.run_id == "demo-cap"]
     ).per_workload.set_index("workload")
     assert np.allclose(truth.loc[comp.index, "utilization"], comp["utilization"])
     assert (truth.loc[comp.index, "tokens_left"] == comp["tokens_left"]).all()
-    est = q.ceiling_estimate(store, "demo-compact", n_boot=50)
+    est = ceiling.ceiling_estimate(store, "demo-compact", n_boot=50)
     assert set(est.summary["workload"]) == set(comp.index)
     assert (est.summary["mean_lo"] <= est.summary["mean_hi"] + 1e-9).all()
     assert len(est.validation) == len(comp)
@@ -165,12 +165,12 @@ def test_pages_follow_a_run_being_ingested(tmp_path: Path, monkeypatch: pytest.M
     store.write("req_steps", sample_store._arrow("req_steps", first))
     at = _app(monkeypatch, store.root, "pages/2_Ceiling.py")
     assert not at.exception
-    before = q.run_table(store).set_index("run_id")["req_steps"].sum()
+    before = overview.run_table(store).set_index("run_id")["req_steps"].sum()
     rest = tables["req_steps"][tables["req_steps"]["forward_ct"] > half]
     store.write("req_steps", sample_store._arrow("req_steps", rest))
     at.run()
     assert not at.exception
-    after = q.run_table(store).set_index("run_id")["req_steps"].sum()
+    after = overview.run_table(store).set_index("run_id")["req_steps"].sum()
     assert after == len(tables["req_steps"]) > before
     shown = {r for t in _figures(at)[0]["data"] for r in [t.get("name")]}
     assert shown  # the ceiling chart rendered from the partial, then the full run
@@ -184,37 +184,43 @@ def test_rollups_equal_the_views_and_survive_compaction(tmp_path: Path) -> None:
     sample_store.write_in_slices(store, tables, slices=4, pause=0.0)
 
     def check() -> None:
-        view = store.query(
-            "SELECT run_id, workload, req_steps, committed_tokens, ceiling_tokens, "
-            "mean_verify_len FROM workload_summary ORDER BY ALL"
-        ).to_pandas()
-        mine = q.workload_table(store)[view.columns]
-        assert mine["req_steps"].tolist() == view["req_steps"].tolist()
-        assert mine["committed_tokens"].tolist() == view["committed_tokens"].tolist()
-        # NULL (hidden: compact) in the view is NaN in the table, at the same rows
+        view = store.query("FROM workload_summary ORDER BY ALL").to_pandas()
+        mine = overview.accept_by_workload(store).sort_values(["run_id", "workload"])
         assert (
-            mine["ceiling_tokens"].fillna(-1).tolist() == view["ceiling_tokens"].fillna(-1).tolist()
+            mine[["run_id", "workload"]].values.tolist()
+            == view[["run_id", "workload"]].values.tolist()
         )
-        assert np.allclose(mine["mean_verify_len"], view["mean_verify_len"])
+        assert mine["req_steps"].tolist() == view["req_steps"].tolist()
+        assert mine["committed"].tolist() == view["committed_tokens"].tolist()
+        assert np.allclose(mine["mean_window"], view["mean_verify_len"])
+        assert np.allclose(mine["accept_length"], view["mean_acc_len"])
+        # the Ceiling page's measured truth: the view's ceiling of the cap-accept runs
+        truth = ceiling.ceiling_by_workload(store).set_index(["measured_by", "workload"])
+        cap = view[view["mode"] == "cap-accept"].set_index(["run_id", "workload"])
+        assert (
+            truth["ceiling_tokens"].sort_index().tolist()
+            == cap["ceiling_tokens"].sort_index().tolist()
+        )
+        assert np.allclose(truth["utilization"].sort_index(), cap["utilization"].sort_index())
         counts = store.query(
             "SELECT (SELECT count(*) FROM req_steps) AS rs, (SELECT count(*) FROM requests) AS rq"
         ).to_pylist()[0]
-        rows = q.store_rows(store)
+        rows = shared.store_rows(store)
         assert (rows["req_steps"], rows["requests"]) == (counts["rs"], counts["rq"])
 
     check()
-    before = q.run_table(store).set_index("run_id")[["requests", "tokens", "accept_length"]]
-    segments = rollups._segments(store.root.resolve(), "req_steps")
+    before = overview.run_table(store).set_index("run_id")[["requests", "tokens", "accept_length"]]
+    segments = store.segments("req_steps").files
     store.compact()
-    assert set(rollups._segments(store.root.resolve(), "req_steps")).isdisjoint(segments)
+    assert set(store.segments("req_steps").files).isdisjoint(segments)
     check()
-    after = q.run_table(store).set_index("run_id")[["requests", "tokens", "accept_length"]]
+    after = overview.run_table(store).set_index("run_id")[["requests", "tokens", "accept_length"]]
     assert before.equals(after)
 
 
 def test_compare_lists_bench_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run stored by `dspark-obs bench` (source bench, summary in its config) is listed."""
-    from dspark_obs.schema import to_table
+    from dspark_obs.validation import to_table
 
     store = sample_store.write_sample_store(tmp_path / "store", n_requests=6, max_new_tokens=16)
     summary = {"completed": 6, "failed": 0, "output_throughput": 123.5,
@@ -226,9 +232,34 @@ def test_compare_lists_bench_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     table, errors = to_table("runs", [run])
     assert not errors
     Store(store.root).write("runs", table)  # write_sample_store closed its writer
-    listed = q.bench_runs(store).set_index("run_id").loc["bench-1"]
+    listed = compare.bench_runs(store).set_index("run_id").loc["bench-1"]
     assert listed["output_tok_per_s"] == 123.5 and listed["ttft_median_ms"] == 38.0
     at = _app(monkeypatch, store.root, "pages/6_Compare.py")
     assert not at.exception
     shown = [df.value for df in at.dataframe if "output_tok_per_s" in df.value.columns]
     assert shown and shown[0]["run_id"].tolist() == ["bench-1"]
+
+
+@pytest.mark.parametrize(
+    "f",
+    [
+        shared.Filters(runs=("demo-cap",)),
+        shared.Filters(modes=("compact",)),
+        shared.Filters(workloads=("math", "poetry")),
+        shared.Filters(
+            runs=("demo-compact", "demo-cap"), workloads=("chat",), modes=("cap-accept",)
+        ),
+        shared.Filters(modes=("static",)),  # a mode no run has: nothing
+        shared.Filters(workloads=("no-such-workload",)),
+    ],
+)
+def test_rollups_and_store_filter_alike(store: Store, f: shared.Filters) -> None:
+    """The all-runs pages filter the rollups with the same SQL predicate the per-run pages put
+    in their queries over the store: the same rows come out either way."""
+    sql = store.query(
+        "SELECT run_id, coalesce(workload, 'unknown') AS workload, count(*) AS n "
+        f"FROM req_steps WHERE {f.where()} GROUP BY ALL ORDER BY ALL"
+    ).to_pandas()
+    rolled = shared.select(rollups.partials(store, "req_steps"), f, shared.runs(store))
+    mine = rolled.groupby(["run_id", "workload"], as_index=False)["n"].sum()
+    assert mine.values.tolist() == sql.values.tolist()

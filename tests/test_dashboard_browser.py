@@ -18,12 +18,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "dashboards"))
-sys.path.insert(0, str(ROOT / "dashboards" / "streamlit"))
 
-import sample_store  # noqa: E402
 import screenshots  # noqa: E402
 
 from dspark_obs.store import Store  # noqa: E402
+from dspark_obs.testing import sample_store  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not (Path(screenshots.CHROMIUM).exists() and Path(screenshots.CHROMEDRIVER).exists())

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from dspark_obs.engine.draft_vocab import draft_vocab, load_ranking, rank_tokens, save_ranking
-from dspark_obs.engine.drafter import Drafter, DrafterConfig
+from dspark_obs.engine.drafter import Drafter
 from dspark_obs.engine.loop import Engine, EngineConfig, GenRequest
-from dspark_obs.engine.model import ModelConfig, Target
+from dspark_obs.engine.model import Target
 from dspark_obs.fanout import FanOut, MemorySink
+from dspark_obs.testing.tiny_models import tiny_pair
 from tests.test_engine_loop import _trimming_table
 from tests.test_engine_requests import _exact_two_token_law, _masked_greedy, _requests
 
@@ -22,16 +23,8 @@ KEPT = [0, 2, 3, 5]
 
 
 def _models(seed: int = 0) -> tuple[Target, Drafter]:
-    torch.manual_seed(seed)
-    target = Target(ModelConfig.tiny(vocab_size=VOCAB, max_position=512)).double().eval()
-    dcfg = DrafterConfig.for_target(
-        target, num_layers=1, markov_rank=4, gamma_max=5, context_window=16
-    )
-    drafter = Drafter(dcfg, target).double().eval()
-    with torch.no_grad():  # a drafter far from its init, so drafts vary
-        for p in drafter.parameters():
-            p.normal_(0.0, 0.3)
-    return target, drafter
+    # a drafter far from its init, so drafts vary
+    return tiny_pair(seed, vocab_size=VOCAB, context_window=16, perturb=0.3)
 
 
 def _block(drafter: Drafter, temperature: float, seed: int = 3):

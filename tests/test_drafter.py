@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_obs.engine.drafter import Drafter, DrafterConfig, load_sts
-from dspark_obs.engine.drafter_eval import _accept, ece_parity, speculative_run
+from dspark_obs.analytics.calibration import auroc, ece
+from dspark_obs.engine.drafter import Drafter
+from dspark_obs.engine.drafter_config import DrafterConfig
+from dspark_obs.engine.drafter_eval import _accept, speculative_run
 from dspark_obs.engine.model import KVCache, ModelConfig, Target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,11 +135,28 @@ def test_confidence_in_unit_interval_and_sts_applied(tmp_path: Path) -> None:
     [{"temps": [1.0]}, {"temperatures": []}, {"temperatures": [1.0, -1.0]},
      {"temperatures": [1.0, "x"]}, {"temperatures": [float("inf")]}, [1.0]],
 )  # fmt: skip
-def test_load_sts_rejects_bad_files(tmp_path: Path, payload: object) -> None:
+def test_set_sts_rejects_bad_files_and_keeps_what_it_had(tmp_path: Path, payload: object) -> None:
+    d = _drafter(_target())
+    d.set_sts([0.5, 2.0])
     p = tmp_path / "sts.json"
     p.write_text(json.dumps(payload))
-    with pytest.raises(ValueError):
-        load_sts(p)
+    with pytest.raises(ValueError, match="sts.json"):
+        d.set_sts(p)
+    assert d.sts_temperatures.tolist() == [0.5, 2.0]
+
+
+def test_set_sts_judges_a_served_file_as_sglang_does(tmp_path: Path) -> None:
+    """Only the temperatures decide (SGLang ignores the rest): ECE lists of another length,
+    as the shipped sts_greedy.json has, do not stop serving; the full record reader refuses."""
+    from dspark_obs.sts_file import StsCalibration, StsFileError
+
+    p = tmp_path / "sts.json"
+    p.write_text(json.dumps({"temperatures": [0.5, 2.0, 1.5], "ece_before": [0.1, 0.2]}))
+    d = _drafter(_target())
+    d.set_sts(p, regime="greedy")
+    assert d.sts(3, greedy=True).tolist() == [0.5, 2.0, 1.5]
+    with pytest.raises(StsFileError, match="'ece_before' has 2 values but there are 3"):
+        StsCalibration.load(p)
 
 
 def test_cache_incremental_equals_one_shot_and_window() -> None:
@@ -208,7 +227,7 @@ def test_accept_rules_and_ece() -> None:
     # hand-computed ECE: two bins
     pred = np.array([0.1, 0.1, 0.9, 0.9])
     lab = np.array([0, 1, 1, 1])
-    assert math.isclose(ece_parity(pred, lab), (2 * 0.4 + 2 * 0.1) / 4)
+    assert math.isclose(ece(pred, lab), (2 * 0.4 + 2 * 0.1) / 4)
 
 
 # -- the shipped checkpoint with the real SmolLM2 --------------------------------------------
@@ -303,7 +322,7 @@ def test_config_without_greedy_head_still_loads(tmp_path: Path) -> None:
 
 
 def test_auroc_and_calibration_report_by_construction() -> None:
-    from dspark_obs.engine.drafter_eval import auroc, calibration_report, merge_results
+    from dspark_obs.engine.drafter_eval import calibration_report, merge_results
 
     assert auroc(np.array([0.1, 0.4, 0.35, 0.8]), np.array([0, 0, 1, 1])) == 0.75
     assert auroc(np.array([0.5, 0.5]), np.array([0, 1])) == 0.5

@@ -13,29 +13,24 @@ import torch
 from dspark_obs.engine.batched import (
     BatchedRuntime,
     Pack,
-    run_no_spec,
     shared_runtime,
     tier_of,
 )
-from dspark_obs.engine.drafter import Drafter, DrafterConfig
+from dspark_obs.engine.drafter import Drafter
 from dspark_obs.engine.loop import Engine, EngineConfig, EngineError, GenRequest
-from dspark_obs.engine.model import ModelConfig, Target
+from dspark_obs.engine.model import Target
+from dspark_obs.engine.no_spec import run_no_spec
+from dspark_obs.engine.reference import ReferenceRuntime
+from dspark_obs.engine.runtime import Runtime
 from dspark_obs.fanout import FanOut, MemorySink
+from dspark_obs.testing.tiny_models import tiny_pair
 
 VOCAB = 8
 
 
 def _models(seed: int = 0) -> tuple[Target, Drafter]:
-    torch.manual_seed(seed)
-    target = Target(ModelConfig.tiny(vocab_size=VOCAB, max_position=512)).double().eval()
-    dcfg = DrafterConfig.for_target(
-        target, num_layers=2, markov_rank=4, gamma_max=5, context_window=16
-    )
-    drafter = Drafter(dcfg, target).double().eval()
-    with torch.no_grad():  # a drafter far from its init, so drafts and confidences vary
-        for p in drafter.parameters():
-            p.normal_(0.0, 0.2)
-    return target, drafter
+    # a drafter far from its init, so drafts and confidences vary
+    return tiny_pair(seed, vocab_size=VOCAB, num_layers=2, context_window=16, perturb=0.2)
 
 
 def _requests(n: int, seed: int = 0, temperature: float = 0.0) -> list[GenRequest]:
@@ -119,7 +114,7 @@ def test_drafts_equal_the_reference_drafter_after_commits_and_a_slot_move() -> N
         rt.set_anchor(slots[i], i + 1)
     anchors = [1, 2, 3]
     for step in range(4):
-        got = rt.draft([0.0] * len(slots), np.ones((len(slots), 4)))
+        got = rt.draft([0.0] * len(slots), sts=np.ones((len(slots), 4)))
         want = drafter.draft_batch(dcs, anchors, 4, 0.0)
         assert torch.equal(got.tokens, want.tokens)
         torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-9, atol=1e-9)
@@ -139,6 +134,50 @@ def test_drafts_equal_the_reference_drafter_after_commits_and_a_slot_move() -> N
                 anchors[2:] + anchors[1:2], [0, 1]
 
 
+def test_both_runtimes_agree_call_for_call_through_the_one_interface() -> None:
+    """The loop's contract, driven identically on both runtimes: prefill, draft, a verify
+    forward, commits that keep some drafts, a cap-accept style tail forward, a slot move."""
+    target, drafter = _models(4)
+    runtimes: list[Runtime] = [
+        BatchedRuntime(target, drafter, max_batch=3, max_len=128, gamma=4),
+        ReferenceRuntime(target, drafter, gamma=4),
+    ]
+    runtimes[1].reserve(3, 128)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3], [3, 3]]
+    seen: list[list] = [[], []]
+    for rt, log in zip(runtimes, seen, strict=True):
+        slots = [rt.acquire() for _ in prompts]
+        log.append(rt.prefill(slots, prompts))
+        for s in slots:
+            rt.set_anchor(s, s + 1)
+        for step in range(4):
+            blk = rt.draft([0.0] * len(slots))
+            log.append((blk.tokens, blk.confidence))
+            before = [rt.length(s) for s in slots]
+            rows = [[s + 1, *blk.tokens[s, :3].tolist()] for s in slots]
+            logits, argmax = rt.forward(slots, rows).split()
+            log.append((torch.cat(logits), np.concatenate(argmax)))
+            tail, _ = rt.forward([slots[0]], [blk.tokens[0, 3:].tolist()]).split()
+            log.append(tail[0].clone())
+            for s in slots:
+                rt.commit(s, before[s] + 1 + (s + step) % 3, int(argmax[s][0]))
+            log.append([rt.length(s) for s in slots])
+            if step == 1:
+                assert rt.release(0) == len(slots) - 1  # the last slot moves into 0
+                slots = slots[:-1]
+    for a, b in zip(*seen, strict=True):
+        if isinstance(a, list):
+            assert a == b
+        elif isinstance(a, tuple):  # draft tokens are exact (integers), like argmax
+            torch.testing.assert_close(a[0], b[0], rtol=1e-9, atol=1e-9)
+            if isinstance(a[1], np.ndarray):
+                assert np.array_equal(a[1], b[1])
+            else:
+                torch.testing.assert_close(a[1], b[1], rtol=1e-9, atol=1e-9)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize("mode", ["static", "compact", "cap-accept"])
 def test_greedy_outputs_equal_plain_greedy_on_both_backends_and_with_overlap_off(
     mode: str,
@@ -148,8 +187,9 @@ def test_greedy_outputs_equal_plain_greedy_on_both_backends_and_with_overlap_off
     target, drafter = _models(2)
     reqs = _requests(7, seed=3)
     want = {r.rid: _plain_greedy(target, r.prompt_ids, r.max_new_tokens) for r in reqs}
-    nospec = run_no_spec(target, reqs, max_batch=3)
-    assert nospec.outputs == want and set(nospec.times) == set(want)
+    for backend in ("batched", "reference"):
+        nospec = run_no_spec(target, reqs, max_batch=3, backend=backend)
+        assert nospec.outputs == want and set(nospec.times) == set(want), backend
     for backend, overlap in (("reference", True), ("batched", True), ("batched", False)):
         cfg = EngineConfig(mode=mode, max_batch=3, backend=backend, overlap=overlap,
                            cost_table=_trimming_table())

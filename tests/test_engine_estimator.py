@@ -104,7 +104,7 @@ def _companion_full(cap) -> dict[tuple[str, int], int]:
 def test_estimator_is_exact_under_top_k_and_top_p_as_under_pure_temperature() -> None:
     """top_k=1 / top_p=0.9 rows: point within the tolerance of pure-temperature rows, truth
     inside [lo, hi] just as often (log p of the processed target distribution is recorded)."""
-    from dspark_obs.engine.censored import TARGET_LOGPROB_FLOOR
+    from dspark_obs.analytics.estimator_recorder import TARGET_LOGPROB_FLOOR
 
     results = {}
     for label, sampling in (("pure", {}), ("top_k=1", {"top_k": 1}), ("top_p=0.9", {"top_p": 0.9})):
@@ -219,3 +219,62 @@ def test_sweep_companion_rows_are_the_compact_rows_plus_cap_trim(temperature, sa
     assert censored.any()  # the forced budget really trims
     assert (compact["cap_trim"] == 0).all() and (cap["cap_trim"] >= 0).all()
     assert censored[cap["cap_trim"] > 0].all()  # a hidden accept needs a fully accepted window
+
+
+# ------------------------------------------------ one block-accept recorder (issue 22)
+
+
+@pytest.mark.parametrize(("temperature", "sampling"), [(1.0, {}), (0.0, {}), (0.7, {"top_p": 0.9})])
+def test_engine_rows_equal_what_block_accept_recorder_writes(temperature, sampling) -> None:
+    """The engine's decode loop and :class:`BlockAcceptRecorder` (what any other producer
+    uses) must write the same estimator fields for the same steps: fed the engine's own
+    per-step facts, the recorder gives back the engine's trimmed_tokens, q_lp and pg."""
+    from dataclasses import replace
+
+    from dspark_obs.analytics.estimator_recorder import BlockAcceptRecorder
+    from dspark_obs.engine.loop import Engine, EngineConfig
+    from dspark_obs.fanout import FanOut, MemorySink
+
+    target, drafter = _models(12)
+    reqs = [
+        replace(r, temperature=temperature, **sampling)
+        for r in _requests(6, seed=12, temperature=temperature)
+    ]
+    sink = MemorySink()
+    fan = FanOut([sink])
+    eng = Engine(target, drafter, EngineConfig(mode="compact", gamma=5, max_batch=3, overlap=False))
+    eng.scheduler.forced_budget_frac = 0.4
+    eng.run(reqs, fan.emit, "run")
+    assert fan.errors == []
+    rows = sink.table("req_steps").to_pylist()
+    rows.sort(key=lambda r: (r["rid"], r["forward_ct"]))
+    anchor_of = {(r["rid"], r["forward_ct"]): r["prefix_len"] - 1 for r in rows}
+    rec = BlockAcceptRecorder(5)
+    n_pg = 0
+    for r in rows:
+        # log p the engine stored for this step's resolutions, at (row, token): draft k of a
+        # block opened at anchor a sits at a + k, and row i predicts this anchor + 1 + i; the
+        # recorder must ask exactly for those (a KeyError is a row the engine never read)
+        here = r["prefix_len"] - 1
+        logp = {
+            (anchor_of[(r["rid"], e["src_fct"])] + e["k"] - here - 1, e["draft_token"]): e[
+                "target_logprob"
+            ]
+            for e in r["pg"] or []
+        }
+        w = r["verify_len"] - 1
+        q = [float("nan")] * w + list(r["q_lp"] or [])
+        got = rec.observe(
+            r["rid"], r["forward_ct"], r["prefix_len"], r["verify_len"], r["correct_drafts"],
+            r["draft_tokens"], q, r["bonus_token"], lambda i, tok, lp=logp: lp[(i, tok)],
+        )  # fmt: skip
+        assert got["trimmed_tokens"] == r["trimmed_tokens"], r
+        assert got["q_lp"] == (None if r["q_lp"] is None else pytest.approx(r["q_lp"])), r
+        want = r["pg"] or None
+        if want is not None:
+            want = [{**e, "target_logprob": pytest.approx(e["target_logprob"])} for e in want]
+            n_pg += len(want)
+        assert got["pg"] == want, r
+        if r["is_last"]:
+            rec.finish(r["rid"], natural_stop=False)
+    assert n_pg > 0  # the forced budget censored blocks that later steps resolved

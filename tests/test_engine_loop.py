@@ -9,24 +9,18 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_obs.engine.costs import AdditiveCostTable, CostTable
-from dspark_obs.engine.drafter import Drafter, DrafterConfig
+from dspark_obs.cost_table import AdditiveCostTable, CostTable
+from dspark_obs.engine.drafter import Drafter
 from dspark_obs.engine.loop import Engine, EngineConfig, EngineError, GenRequest
-from dspark_obs.engine.model import ModelConfig, Target
+from dspark_obs.engine.model import Target
 from dspark_obs.fanout import FanOut, MemorySink
+from dspark_obs.testing.tiny_models import tiny_pair
 
 VOCAB = 6  # a tiny vocabulary so random drafts are often accepted
 
 
 def _models(seed: int = 0) -> tuple[Target, Drafter]:
-    torch.manual_seed(seed)
-    cfg = ModelConfig.tiny(vocab_size=VOCAB, max_position=512)
-    target = Target(cfg).double().eval()
-    dcfg = DrafterConfig.for_target(
-        target, num_layers=1, markov_rank=4, gamma_max=5, context_window=64
-    )
-    drafter = Drafter(dcfg, target).double().eval()
-    return target, drafter
+    return tiny_pair(seed, vocab_size=VOCAB)
 
 
 def _trimming_table() -> CostTable:
@@ -266,7 +260,7 @@ def test_records_reach_sinks_every_n_steps_or_every_interval_whichever_first() -
 
 
 def test_compact_with_an_uninitialized_1d_table_verifies_everything_as_sglang() -> None:
-    from dspark_obs.engine.costs import StepsPerSecTable
+    from dspark_obs.cost_table import StepsPerSecTable
 
     target, drafter = _models(3)
     reqs = _requests(4, seed=3)

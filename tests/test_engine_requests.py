@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_obs.engine.drafter import Drafter, DrafterConfig
+from dspark_obs.engine.drafter import Drafter
 from dspark_obs.engine.loop import MASKED_LOGIT, Engine, EngineConfig, EngineError, GenRequest
-from dspark_obs.engine.model import ModelConfig, Target
+from dspark_obs.engine.model import Target
 from dspark_obs.fanout import FanOut, MemorySink
+from dspark_obs.testing.tiny_models import tiny_pair
 from tests.test_engine_loop import _trimming_table
 
 VOCAB = 6
@@ -20,12 +21,7 @@ BACKENDS = ("reference", "batched")
 
 
 def _models(seed: int = 0) -> tuple[Target, Drafter]:
-    torch.manual_seed(seed)
-    target = Target(ModelConfig.tiny(vocab_size=VOCAB, max_position=512)).double().eval()
-    dcfg = DrafterConfig.for_target(
-        target, num_layers=1, markov_rank=4, gamma_max=5, context_window=16
-    )
-    return target, Drafter(dcfg, target).double().eval()
+    return tiny_pair(seed, vocab_size=VOCAB, context_window=16)
 
 
 def _requests(n: int, seed: int = 0, **kw: object) -> list[GenRequest]:

@@ -18,13 +18,14 @@ import pytest
 
 from dspark_obs.sglang.engine_server import EngineServer, ServerOptions, build_service
 from dspark_obs.sglang.http_limits import HttpLimits
+from dspark_obs.testing.tiny_models import byte_models
 
 BOUND_S = 60.0  # generous bound on a condition that must come true (never a speed claim)
 
 
 @contextlib.contextmanager
 def serving(**limits: Any) -> Iterator[EngineServer]:
-    svc = build_service(ServerOptions(tiny=True, port=0, max_batch=4), env={})
+    svc = build_service(ServerOptions(port=0, max_batch=4), env={}, models=byte_models())
     opts = {"request_timeout_s": 1.0, **limits}
     srv = EngineServer(svc, "127.0.0.1", 0, HttpLimits.for_service(svc, **opts)).start()
     try:
@@ -331,9 +332,10 @@ def test_unsupported_and_unknown_parameters_are_refused_by_name(server):
     for sp, word in [
         ({"regex": "a+"}, "regex"),
         ({"json_schema": '{"type": "object"}'}, "json_schema"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
-        ({"presence_penalty": -0.5}, "presence_penalty"),
-        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": -2.01}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": 2.5}, "repetition_penalty"),
         ({"min_p": 0.1}, "min_p"),
         ({"logit_bias": {"5": 1.0}}, "logit_bias"),
         ({"ebnf": "root ::= 'a'"}, "ebnf"),
@@ -431,6 +433,25 @@ def test_stop_token_ids_and_min_new_tokens(server):
     assert stop_id not in late["output_ids"][: k + 3]  # masked until min_new_tokens
     if late["meta_info"]["finish_reason"]["type"] == "stop":
         assert late["output_ids"].index(stop_id) == len(late["output_ids"]) - 1
+
+
+def test_penalties_are_applied_and_out_of_range_ones_refused_by_name(server):
+    greedy = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    plain = _generate(server, greedy)["output_ids"]
+    penalized = {**greedy, "frequency_penalty": 2.0, "repetition_penalty": 2.0}
+    out = _generate(server, penalized)["output_ids"]
+    assert out != plain  # applied, not ignored
+    assert out == _generate(server, penalized)["output_ids"]  # greedy: deterministic
+    assert max(out.count(t) for t in out) < max(plain.count(t) for t in plain)
+    chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+    for body, word in [
+        ({**chat, "frequency_penalty": 3.0}, "frequency_penalty"),
+        ({**chat, "presence_penalty": -2.5}, "presence_penalty"),
+        ({**chat, "repetition_penalty": -1.0}, "repetition_penalty"),
+    ]:
+        _json_error(*_post(server, "/v1/chat/completions", body), 400, word)
+    status, _, body = _post(server, "/v1/chat/completions", {**chat, "presence_penalty": 1.0})
+    assert status == 200, body[:300]
 
 
 def test_n_samples_one_request_each_with_its_own_seed(server):

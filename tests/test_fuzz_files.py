@@ -12,6 +12,7 @@ import json
 import math
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,14 +23,13 @@ from typer.testing import CliRunner
 
 from dspark_obs.analytics import (
     EstimatorFileError,
-    StsCalibration,
-    StsFileError,
     estimate_blocks,
     load_sts_shards,
     read_estimator_jsonl,
 )
 from dspark_obs.cli import app
-from dspark_obs.engine.costs import CostTable, CostTableError
+from dspark_obs.cost_table import CostTable, CostTableError
+from dspark_obs.sts_file import StsCalibration, StsFileError
 
 # database=None: nothing is written under the repository (.hypothesis/)
 FUZZ = settings(
@@ -136,25 +136,32 @@ def test_sts_json_reader_never_tracebacks(data: bytes) -> None:
 @FUZZ
 @given(data=_file_texts(STS))
 def test_the_drafters_sts_reader_never_tracebacks(data: bytes) -> None:
-    """engine.drafter.load_sts (``run --sts`` for the drafter): the same bounded reading."""
-    from dspark_obs.engine.drafter import load_sts
-
+    """Drafter.set_sts(path) (``run --sts`` for the drafter): the same bounded reading."""
+    drafter = _tiny_drafter()
     path = _write(data, ".json")
 
     def load() -> None:
-        temps = load_sts(path)
+        drafter.set_sts(path)
+        temps = drafter.sts_temperatures.tolist()
         assert temps and all(math.isfinite(t) and t > 0 for t in temps)
 
     _expect_clear(load, path, ValueError)
 
 
 def test_the_drafters_sts_reader_names_deep_nesting(tmp_path: Path) -> None:
-    from dspark_obs.engine.drafter import load_sts
-
     path = tmp_path / "sts.json"
     path.write_text('{"temperatures": ' + _deep(100_000) + "}")
     with pytest.raises(ValueError, match="nested deeper than"):
-        load_sts(path)
+        _tiny_drafter().set_sts(path)
+
+
+def _tiny_drafter() -> Any:
+    from dspark_obs.engine.drafter import Drafter
+    from dspark_obs.engine.drafter_config import DrafterConfig
+    from dspark_obs.engine.model import ModelConfig, Target
+
+    target = Target(ModelConfig.tiny())
+    return Drafter(DrafterConfig.for_target(target, num_layers=1, gamma_max=4), target)
 
 
 TRAFFIC_LINE = {

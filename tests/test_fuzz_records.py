@@ -1,6 +1,6 @@
 """Fuzz: random batches (dict rows and Arrow tables; NaN / inf, huge ints, wrong types,
 out-of-range values, missing and unknown fields, rows that are not dicts) through
-``schema.validate``, ``FanOut`` and ``Store.write``.
+``validation.validate``, ``FanOut`` and ``Store.write``.
 
 Each must either give a clear SchemaError / StoreError for a batch it cannot read at all, or
 split the batch into kept rows and one RecordError per rejected row, never a traceback. Every
@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dspark_obs import schema
+from dspark_obs import rules, schema, validation
 from dspark_obs.fanout import FanOut, MemorySink
 from dspark_obs.store import Store, StoreError
 
@@ -44,6 +44,11 @@ TEMPLATES: dict[str, dict[str, Any]] = {
                   "q_lp": [-0.5, -1.25],
                   "pg": [{"src_fct": 9, "k": 3, "target_logprob": -0.75, "draft_token": 3,
                           "realized_token": 3}]},
+    "req_step_amends": {"run_id": "r", "dp_rank": 0, "forward_ct": 9, "rid": "q",
+                        "gamma": GAMMA, "verify_len": 3, "trimmed_tokens": [3, 4],
+                        "q_lp": [-0.5, -1.25],
+                        "pg": [{"src_fct": 9, "k": 3, "target_logprob": -0.75,
+                                "draft_token": 3, "realized_token": 3}]},
     "requests": {"run_id": "r", "rid": "q", "dp_rank": 0, "workload": "math",
                  "prompt_tokens": 12, "output_tokens": [5, 6, 7], "completion_tokens": 3,
                  "finish_reason": "stop", "max_new_tokens": 64, "temperature": 0.0,
@@ -114,6 +119,23 @@ def _finite(x: Any) -> bool:
     return isinstance(x, int | float) and math.isfinite(x)
 
 
+def _estimator_violations(row: dict[str, Any], g: int, w: int) -> list[str]:
+    bad = []
+    trimmed, q_lp = row.get("trimmed_tokens"), row.get("q_lp")
+    if trimmed is not None and len(trimmed) != g + 1 - w:
+        bad.append("trimmed length")
+    if (q_lp is None) != (trimmed is None) or (q_lp and len(q_lp) != len(trimmed)):
+        bad.append("q_lp length")
+    if any(x > 1e-6 for x in q_lp or []):
+        bad.append("q_lp > 0")
+    for item in row.get("pg") or []:
+        if not (1 <= item["k"] <= g and 0 <= item["src_fct"] <= row["forward_ct"]):
+            bad.append("pg k / src_fct")
+        if not item["target_logprob"] <= 1e-6:
+            bad.append("pg logprob")
+    return bad
+
+
 def violations(table: str, row: dict[str, Any]) -> list[str]:
     """Every rule a stored row must satisfy, written out plainly (not with schema.py)."""
     bad = []
@@ -170,6 +192,14 @@ def violations(table: str, row: dict[str, Any]) -> list[str]:
         for f in schema.SGLANG_STEP_FLOAT_FIELDS:
             if f.endswith("_ms") and row.get(f) is not None and row[f] < 0:
                 bad.append(f)
+    elif table == "req_step_amends":
+        g, w = row["gamma"], row["verify_len"]
+        ge("dp_rank", 0), ge("forward_ct", 0)
+        if not (g >= 1 and 1 <= w <= g + 1):
+            bad.append("window")
+        if all(row.get(f) is None for f in ("trimmed_tokens", "q_lp", "pg")):
+            bad.append("amends nothing")
+        bad += _estimator_violations(row, g, w)
     elif table == "req_steps":
         g, w, c, a = row["gamma"], row["verify_len"], row["correct_drafts"], row["acc_len"]
         if g is None or w is None or c is None or a is None:
@@ -190,18 +220,7 @@ def violations(table: str, row: dict[str, Any]) -> list[str]:
         for f in ("confidence", "survival"):
             if any(not (0 <= x <= 1) for x in row.get(f) or []):
                 bad.append(f)
-        trimmed, q_lp = row.get("trimmed_tokens"), row.get("q_lp")
-        if trimmed is not None and len(trimmed) != g + 1 - w:
-            bad.append("trimmed length")
-        if (q_lp is None) != (trimmed is None) or (q_lp and len(q_lp) != len(trimmed)):
-            bad.append("q_lp length")
-        if any(x > 1e-6 for x in q_lp or []):
-            bad.append("q_lp > 0")
-        for item in row.get("pg") or []:
-            if not (1 <= item["k"] <= g and 0 <= item["src_fct"] <= row["forward_ct"]):
-                bad.append("pg k / src_fct")
-            if not item["target_logprob"] <= 1e-6:
-                bad.append("pg logprob")
+        bad += _estimator_violations(row, g, w)
     elif table == "requests":
         if row.get("finish_reason") not in (None, "stop", "length", "abort"):
             bad.append("finish_reason")
@@ -211,7 +230,9 @@ def violations(table: str, row: dict[str, Any]) -> list[str]:
     return bad
 
 
-def check_split(table: str, n_in: int, kept: pa.Table, errors: list[schema.RecordError]) -> None:
+def check_split(
+    table: str, n_in: int, kept: pa.Table, errors: list[validation.RecordError]
+) -> None:
     rows = kept.to_pylist()
     rejected = [e.row for e in errors]
     assert len(set(rejected)) == len(rejected), "one error per rejected row"
@@ -226,8 +247,8 @@ def check_split(table: str, n_in: int, kept: pa.Table, errors: list[schema.Recor
 
 def validate_or_schema_error(table: str, batch: Any) -> tuple[pa.Table, list] | None:
     try:
-        return schema.validate(table, batch)
-    except schema.SchemaError as exc:
+        return validation.validate(table, batch)
+    except validation.SchemaError as exc:
         assert table in str(exc)  # names the table (and the column)
         return None
 
@@ -312,7 +333,7 @@ def test_one_bad_value_in_an_arrow_batch_rejects_that_row_only(bad: float) -> No
         list(rows[0]).index("gamma"), "gamma",
         pa.array([GAMMA] * 700 + [bad] + [GAMMA] * 299, pa.float64()),
     )
-    kept, errors = schema.validate("req_steps", batch)
+    kept, errors = validation.validate("req_steps", batch)
     assert kept.num_rows == 999 and [e.row for e in errors] == [700]
     assert errors[0].field == "gamma"
     assert kept.column("forward_ct").to_pylist() == col[:700] + col[701:]
@@ -320,24 +341,30 @@ def test_one_bad_value_in_an_arrow_batch_rejects_that_row_only(bad: float) -> No
 
 def test_derived_checks_do_not_wrap_near_2_63() -> None:
     row = dict(TEMPLATES["req_steps"], cap_trim=2**63 - 1)
-    kept, errors = schema.validate("req_steps", [row])
+    kept, errors = validation.validate("req_steps", [row])
     assert kept.num_rows == 0 and errors[0].field == "cap_trim"
     row = dict(TEMPLATES["req_steps"], correct_drafts=-(2**63), cap_trim=2**63 - 1)
-    assert schema.validate("req_steps", [row])[0].num_rows == 0
+    assert validation.validate("req_steps", [row])[0].num_rows == 0
     batch = pa.Table.from_pylist([dict(TEMPLATES["req_steps"], cap_trim=2**63 - 1)])
-    assert schema.validate("req_steps", batch)[0].num_rows == 0
+    assert validation.validate("req_steps", batch)[0].num_rows == 0
 
 
 def test_fanout_to_store_validates_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counted where every validation does its work (the rules), whatever the entry point:
+    FanOut hands the store validation.check's ValidatedBatch, which the store trusts."""
     calls = []
-    real = schema.validate
-    monkeypatch.setattr(schema, "validate", lambda *a: calls.append(a[0]) or real(*a))
-    monkeypatch.setattr("dspark_obs.fanout.validate", schema.validate)
+    real = rules.checks
+    monkeypatch.setattr(rules, "checks", lambda *a: calls.append(a[0]) or real(*a))
     with tempfile.TemporaryDirectory() as tmp, Store(tmp) as store:
         FanOut([store]).emit("req_steps", [TEMPLATES["req_steps"]])
         assert calls == ["req_steps"], "Store.write trusted FanOut's validated batch"
         store.write("req_steps", pa.Table.from_pylist([TEMPLATES["req_steps"]]))
         assert calls == ["req_steps", "req_steps"], "a batch from elsewhere is validated"
+        checked, _ = validation.check("req_steps", [TEMPLATES["req_steps"]])
+        store.write("req_steps", checked)
+        assert calls == ["req_steps"] * 3, "a ValidatedBatch is stored as it is"
+    with pytest.raises(TypeError, match="made only by"):
+        validation.ValidatedBatch("req_steps", checked.data)
 
 
 def test_pandas_frames_are_accepted_as_they_come() -> None:
@@ -346,11 +373,11 @@ def test_pandas_frames_are_accepted_as_they_come() -> None:
     frame = pd.DataFrame([TEMPLATES["steps"]] * 3)
     frame["mode"] = frame["mode"].astype("category")
     frame["ts"] = pd.Timestamp("2026-12-01 10:00:00.123456789", tz="UTC")
-    kept, errors = schema.validate("steps", pa.Table.from_pandas(frame, preserve_index=False))
+    kept, errors = validation.validate("steps", pa.Table.from_pandas(frame, preserve_index=False))
     assert kept.num_rows == 3 and not errors
     assert str(kept.column("ts")[0]) == "2026-12-01 10:00:00.123456+00:00"
     frame["bs"] = "three"
-    kept, errors = schema.validate("steps", pa.Table.from_pandas(frame, preserve_index=False))
+    kept, errors = validation.validate("steps", pa.Table.from_pandas(frame, preserve_index=False))
     assert kept.num_rows == 0 and [(e.row, e.field, e.value) for e in errors] == [
         (i, "bs", "three") for i in range(3)
     ]
@@ -375,7 +402,7 @@ def test_text_numbers_in_a_typed_column_are_judged_value_by_value(kind: str) -> 
     col = batch.column_names.index("verify_len")
     batch = batch.set_column(col, "verify_len", numbers_as(kind, ["3", "x", "3"])
                              if kind == "text" else numbers_as(kind, [3, "x", 3]))
-    kept, errors = schema.validate("req_steps", batch)
+    kept, errors = validation.validate("req_steps", batch)
     assert kept.column("forward_ct").to_pylist() == [9, 11]
     assert kept.column("verify_len").to_pylist() == [3, 3]
     assert [(e.row, e.field, e.value) for e in errors] == [(1, "verify_len", "x")]
@@ -394,7 +421,7 @@ def test_a_column_of_the_wrong_kind_rejects_its_rows_not_the_batch(column: pa.Ar
     batch = pa.Table.from_pylist(rows)
     col = batch.column_names.index("bs")
     batch = batch.set_column(col, "bs", pa.concat_arrays([column, pa.nulls(1, column.type)]))
-    kept, errors = schema.validate("steps", batch)
+    kept, errors = validation.validate("steps", batch)
     assert [e.row for e in errors] == [0, 1, 2] and {e.field for e in errors} == {"bs"}
     assert kept.column("forward_ct").to_pylist() == [8]
     assert kept.column("bs").to_pylist() == [None]
@@ -413,7 +440,7 @@ def test_any_text_in_a_numeric_column_rejects_only_its_row(values: list[Any], ki
     batch = pa.Table.from_pylist(rows)
     col = batch.column_names.index("prefix_len")
     batch = batch.set_column(col, "prefix_len", numbers_as(kind, values))
-    kept, errors = schema.validate("req_steps", batch)
+    kept, errors = validation.validate("req_steps", batch)
     good = [i for i, v in enumerate(values) if isinstance(v, int) and v >= 0]
     assert kept.column("forward_ct").to_pylist() == [9 + i for i in good]
     assert kept.column("prefix_len").to_pylist() == [values[i] for i in good]

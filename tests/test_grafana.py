@@ -26,15 +26,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "dashboards" / "grafana"))
-sys.path.insert(0, str(ROOT / "dashboards" / "streamlit"))
 sys.path.insert(0, str(ROOT / "dashboards"))
 
 import build  # noqa: E402
-import sample_store  # noqa: E402
 from screenshots import free_port, wait_http  # noqa: E402
 
 from dspark_obs.sinks.catalog import METRICS  # noqa: E402
 from dspark_obs.store import Store  # noqa: E402
+from dspark_obs.testing import sample_store  # noqa: E402
 
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 RULES = ROOT / "runtime" / "prometheus" / "rules"  # the mixin the panels read

@@ -14,27 +14,24 @@ import torch
 from typer.testing import CliRunner
 
 from dspark_obs.cli import app
-from dspark_obs.engine.costs import (
+from dspark_obs.cost_table import (
     AdditiveCostTable,
     CostTable,
     CostTableError,
     StepsPerSecTable,
     fit_additive,
 )
-from dspark_obs.engine.drafter import Drafter, DrafterConfig
-from dspark_obs.engine.model import ModelConfig, Target
-from dspark_obs.engine.profile import (
+from dspark_obs.engine.profile import profile_steps
+from dspark_obs.engine.profile_fit import (
     StepSample,
     cell_stats,
-    evaluate_fits,
-    fit_quality,
     fit_steps_per_sec,
     fit_table,
-    predict_cell,
-    profile_steps,
     split_cells,
 )
+from dspark_obs.engine.profile_report import evaluate_fits, fit_quality, predict_cell
 from dspark_obs.engine.weights import ModelFetchError, fetch_model
+from dspark_obs.testing.tiny_models import tiny_pair
 
 GAMMA = 5
 BATCH_SIZES = (1, 2, 4, 8, 16)
@@ -272,16 +269,7 @@ def test_filled_probes_predict_held_out_cells_better_than_sparse(seed: int) -> N
 
 
 def test_profile_steps_on_a_tiny_model() -> None:
-    torch.manual_seed(0)
-    target = Target(ModelConfig.tiny(vocab_size=6, max_position=512)).double().eval()
-    drafter = (
-        Drafter(
-            DrafterConfig.for_target(target, num_layers=1, markov_rank=4, gamma_max=5),
-            target,
-        )
-        .double()
-        .eval()
-    )
+    target, drafter = tiny_pair(0, context_window=None)
     lines: list[str] = []
     samples = profile_steps(
         target,

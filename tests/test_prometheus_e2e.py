@@ -22,13 +22,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from test_sinks_prometheus import tiny_models, tiny_requests, trimming_config
+from test_sinks_prometheus import tiny_requests, trimming_config
 
 from dspark_obs.analytics.calibration import calibration_table, position_labels
 from dspark_obs.analytics.companion import step_ceilings
 from dspark_obs.analytics.windows import window_stats
 from dspark_obs.engine.session import run_with_companion
 from dspark_obs.store import Store
+from dspark_obs.testing.tiny_models import tiny_models
 
 PROMETHEUS = shutil.which("prometheus")
 RULES = Path(__file__).resolve().parents[1] / "runtime" / "prometheus" / "rules"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dspark_obs.engine.costs import AdditiveCostTable, CostTable, StepsPerSecTable
+from dspark_obs.cost_table import AdditiveCostTable, CostTable, StepsPerSecTable
 from dspark_obs.engine.scheduler import (
     SURVIVAL_EPS,
     ConfidenceRelay,

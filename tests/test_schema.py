@@ -10,8 +10,9 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from dspark_obs import schema
+from dspark_obs import schema, validation
 from dspark_obs.store import Store
+from dspark_obs.testing import sglang_roundtrip
 
 GAMMA = 5
 
@@ -77,9 +78,9 @@ def test_sglang_dump_covers_every_field() -> None:
 
 def test_sglang_round_trip_through_the_store(tmp_path: Path) -> None:
     dump = sglang_dump()
-    steps, req_steps = schema.steps_from_sglang(dump, run_id="sg-1", dp_rank=1)
-    s_batch, s_err = schema.validate("steps", steps)
-    r_batch, r_err = schema.validate("req_steps", req_steps)
+    steps, req_steps = sglang_roundtrip.steps_from_sglang(dump, run_id="sg-1", dp_rank=1)
+    s_batch, s_err = validation.validate("steps", steps)
+    r_batch, r_err = validation.validate("req_steps", req_steps)
     assert not s_err and not r_err
     with Store(tmp_path / "store") as store:
         store.write("steps", s_batch)
@@ -95,7 +96,7 @@ def test_sglang_round_trip_through_the_store(tmp_path: Path) -> None:
     rebuilt = []
     for orig, step in zip(dump["records"], back_steps, strict=True):
         reqs = [r for r in back_reqs if r["forward_ct"] == step["forward_ct"]]
-        rebuilt.append(schema.step_to_sglang(step, reqs if "reqs" in orig else None))
+        rebuilt.append(sglang_roundtrip.step_to_sglang(step, reqs if "reqs" in orig else None))
     assert rebuilt == dump["records"]
 
 
@@ -103,14 +104,15 @@ def test_sglang_defaults_mode_and_rid() -> None:
     dump = sglang_dump()
     del dump["records"][2]["mode"]
     del dump["records"][0]["reqs"][1]["rid"]
-    steps, reqs = schema.steps_from_sglang(dump, run_id="r")
+    steps, reqs = sglang_roundtrip.steps_from_sglang(dump, run_id="r")
     assert steps[2]["mode"] == "cap-accept" and steps[2]["source"] == "sglang"
     assert reqs[1]["rid"] == "pool1"
-    batch, errors = schema.validate("steps", steps)
+    batch, errors = validation.validate("steps", steps)
     assert not errors
     assert batch.column("budget").to_pylist() == [4, -1, -1]  # absent int fields: -1
-    assert schema.step_to_sglang(batch.to_pylist()[2]) == {"forward_ct": 13, "mode": "cap-accept",
-                                                           "bs": 2}
+    assert sglang_roundtrip.step_to_sglang(batch.to_pylist()[2]) == {
+        "forward_ct": 13, "mode": "cap-accept", "bs": 2
+    }
 
 
 # ------------------------------------------------------------------- validation rules
@@ -127,8 +129,8 @@ _DROP = object()
 NAN, INF = float("nan"), float("inf")
 
 
-def _one_error(table: str, rows: list[dict[str, Any]] | pa.Table) -> schema.RecordError:
-    batch, errors = schema.validate(table, rows)
+def _one_error(table: str, rows: list[dict[str, Any]] | pa.Table) -> validation.RecordError:
+    batch, errors = validation.validate(table, rows)
     assert batch.num_rows == 0 and len(errors) == 1, errors
     return errors[0]
 
@@ -173,7 +175,7 @@ def test_acc_len_must_be_correct_drafts_plus_one_except_on_the_last_step() -> No
     short = {"verify_len": 4, "correct_drafts": 3, "acc_len": 2, "cap_trim": 0}
     err = _one_error("req_steps", [_row(**short)])
     assert err.field == "acc_len" and err.value == 2 and "correct_drafts+1" in err.reason
-    batch, errors = schema.validate("req_steps", [_row(**short, is_last=True)])
+    batch, errors = validation.validate("req_steps", [_row(**short, is_last=True)])
     assert batch.num_rows == 1 and not errors  # EOS / length limit cut the final commit
     err = _one_error("req_steps", [_row(verify_len=4, correct_drafts=1, acc_len=3, is_last=True)])
     assert err.field == "acc_len" and err.value == 3  # never more than correct_drafts+1
@@ -190,24 +192,24 @@ def test_valid_rows_of_a_batch_are_kept_and_rows_numbered_as_given() -> None:
         _row(forward_ct=4, run_id=_DROP),
         _row(forward_ct=5),
     ]
-    batch, errors = schema.validate("req_steps", rows)
+    batch, errors = validation.validate("req_steps", rows)
     assert batch.column("forward_ct").to_pylist() == [0, 2, 5]
     assert [(e.row, e.field) for e in errors] == [(1, "verify_len"), (3, "confidence"),
                                                   (4, "run_id")]
 
 
 def test_arrow_batches_are_validated_too() -> None:
-    good, _ = schema.validate("req_steps", [_row(forward_ct=f) for f in range(3)])
+    good, _ = validation.validate("req_steps", [_row(forward_ct=f) for f in range(3)])
     conf = pa.array(
         [[0.5] * GAMMA, [0.5, NAN, 0.5, 0.5, 0.5], [0.5] * GAMMA], pa.list_(pa.float32())
     )
     bad = good.set_column(good.schema.get_field_index("confidence"), "confidence", conf)
     bad = bad.set_column(0, "run_id", pa.array(["r", "r", None]))
-    batch, errors = schema.validate("req_steps", bad)
+    batch, errors = validation.validate("req_steps", bad)
     assert batch.num_rows == 1
     assert [(e.row, e.field) for e in errors] == [(1, "confidence"), (2, "run_id")]
-    with pytest.raises(schema.SchemaError, match="missing required column"):
-        schema.validate("req_steps", good.drop_columns(["rid"]))
+    with pytest.raises(validation.SchemaError, match="missing required column"):
+        validation.validate("req_steps", good.drop_columns(["rid"]))
 
 
 @pytest.mark.parametrize(
@@ -227,3 +229,28 @@ def test_arrow_batches_are_validated_too() -> None:
 def test_other_tables_rules(table: str, row: dict[str, Any], field: str) -> None:
     err = _one_error(table, [row])
     assert err.field == field and f".{field}=" in str(err)
+
+
+def test_schema_is_declarations_and_validation_sits_above_the_rules() -> None:
+    """schema.py imports no project module; rules.py only schema; validation.py schema and
+    rules (no circle, nothing deferred to the bottom of a module)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "dspark_obs"
+
+    def project_imports(name: str) -> set[str]:
+        tree = ast.parse((root / f"{name}.py").read_text())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dspark_obs"):
+                mod = node.module or ""
+                found |= {f"{mod}.{a.name}" if mod == "dspark_obs" else mod for a in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.startswith("dspark_obs")}
+        return found
+
+    assert project_imports("schema") == set()
+    assert project_imports("rules") == {"dspark_obs.schema"}
+    assert project_imports("validation") == {"dspark_obs.rules", "dspark_obs.schema"}
+    assert not hasattr(schema, "validate") and not hasattr(schema, "is_validated")

@@ -15,6 +15,7 @@ import pytest
 from dspark_obs.engine.types import GenRequest
 from dspark_obs.sglang.engine_server import ServerOptions, build_service
 from dspark_obs.sglang.service import FinishedRequest
+from dspark_obs.testing.tiny_models import byte_models
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sglang_wheel import Wheel, _pick, find_wheel  # noqa: E402
@@ -35,7 +36,7 @@ def wheel_abort_reason() -> dict:
 
 def test_a_cancelled_request_reports_abort_like_sglang() -> None:
     expected = wheel_abort_reason()
-    svc = build_service(ServerOptions(tiny=True, port=0, max_batch=2), env={})
+    svc = build_service(ServerOptions(port=0, max_batch=2), env={}, models=byte_models())
     svc.start()
     try:
         req = GenRequest("r-abort", [1, 2, 3], max_new_tokens=900, ignore_eos=True)

@@ -8,8 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dspark_obs.serving.client import RequestResult
-from dspark_obs.serving.stats import (
+from dspark_obs.serving.bench_stats import (
     BenchSummary,
     bootstrap_step_ratio,
     distribution,
@@ -20,6 +19,7 @@ from dspark_obs.serving.stats import (
     token_events,
     window_counts,
 )
+from dspark_obs.serving.client import RequestResult
 
 
 def _result(rid, send_clock, chunk_times, chunk_tokens, end, verify_ct=None):

@@ -27,14 +27,15 @@ import pandas as pd
 import pytest
 
 from dspark_obs.analytics import build_report
-from dspark_obs.engine.costs import CostTable
+from dspark_obs.cost_table import CostTable
 from dspark_obs.engine.loop import Engine, EngineConfig, GenRequest
 from dspark_obs.fanout import FanOut
 from dspark_obs.serving.client import GenerationRequest
 from dspark_obs.sglang.collector import Collector, CollectorOptions
 from dspark_obs.sglang.drive import DriveTarget, drive
-from dspark_obs.sglang.engine_server import EngineServer, ServerOptions, build_service, tiny_models
+from dspark_obs.sglang.engine_server import EngineServer, ServerOptions, build_service
 from dspark_obs.store import Store
+from dspark_obs.testing.tiny_models import byte_models
 
 TRIMMING_TABLE = {  # step time grows steeply with verify tokens: compact trims windows
     "bias_seconds": 0.01,
@@ -69,7 +70,7 @@ def table_path(tmp_path: Path) -> Path:
 @contextlib.contextmanager
 def serving(**opts):
     server = EngineServer(
-        build_service(ServerOptions(tiny=True, port=0, **opts), env={}), "127.0.0.1", 0
+        build_service(ServerOptions(port=0, **opts), env={}, models=byte_models()), "127.0.0.1", 0
     ).start()
     try:
         yield server
@@ -174,7 +175,7 @@ def test_run_and_companion_collected_exactly_and_report_equals_direct(tmp_path, 
     # the same workload run directly through the engine
     direct = Store(tmp_path / "direct")
     fan = FanOut([direct])
-    models = tiny_models(0, gamma_max=5)
+    models = byte_models(0)
     table = CostTable.load(table_path)
     for mode, run, comp in (("compact", "d1", None), ("cap-accept", "d1-cap", "d1")):
         eng = Engine(

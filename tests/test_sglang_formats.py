@@ -21,11 +21,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from dspark_obs.analytics.sts import StsCalibration, fit_sts, load_sts_shards, save_sts_shard
-from dspark_obs.engine.costs import AdditiveCostTable, CostTable, StepsPerSecTable
+from dspark_obs.analytics.sts import fit_sts
+from dspark_obs.analytics.sts_shards import load_sts_shards, save_sts_shard
+from dspark_obs.cost_table import AdditiveCostTable, CostTable, StepsPerSecTable
 from dspark_obs.schema import REQ_STEPS, STEPS
 from dspark_obs.sglang import records as ours
 from dspark_obs.sglang.files import read_sps_records
+from dspark_obs.sts_file import StsCalibration
 
 WHEELS = Path.home() / ".cache" / "dspark-obs" / "wheels"
 OBS = "sglang/srt/speculative/dspark_components/dspark_observability.py"
@@ -136,8 +138,6 @@ def test_store_schema_covers_every_sglang_field(classes):
 
 
 def test_engine_server_records_decode_under_the_wheel_rules(classes):
-    from dspark_obs.sglang.service import _record
-
     req_cls = _struct(classes["ReqDetail"])
     step_cls = _struct(classes["DecodeStepRecord"], {"ReqDetail": req_cls})
     step = {
@@ -170,7 +170,7 @@ def test_engine_server_records_decode_under_the_wheel_rules(classes):
         for i in range(2)
     ]
     for comps in (frozenset(ours.COMPONENTS), frozenset({"core"}), frozenset({"step_cpu_time"})):
-        body = msgspec.json.encode(_record(step, reqs, comps))
+        body = msgspec.json.encode(ours.step_record(step, reqs, comps))
         back = msgspec.json.decode(body, type=step_cls)
         plain = json.loads(body)
         # omit_defaults: nothing at its default is written (SGLang's rule)

@@ -21,12 +21,13 @@ from dspark_obs.sglang.engine_server import (
     resolve_components,
     resolve_mode,
 )
+from dspark_obs.testing.tiny_models import byte_models
 
 
 @pytest.fixture(scope="module")
 def server():
-    svc = build_service(ServerOptions(tiny=True, port=0, max_batch=4),
-                        env={"SGLANG_RAGGED_VERIFY_MODE": "cap-accept"})
+    svc = build_service(ServerOptions(port=0, max_batch=4),
+                        env={"SGLANG_RAGGED_VERIFY_MODE": "cap-accept"}, models=byte_models())
     srv = EngineServer(svc, "127.0.0.1", 0).start()
     yield srv
     srv.close()

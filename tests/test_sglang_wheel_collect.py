@@ -49,6 +49,17 @@ def _field_equal(stored: dict, dumped: dict) -> None:
         assert stored[k] == dumped.get(k, -1 if k in ("bs",) else None), k
 
 
+def _merged(store: Store, est: Path) -> tuple[list[dict], dict[str, int]]:
+    """The estimator file's lines, and the req_steps counted: all, with trimmed_tokens, with pg;
+    every censored line's fields are merged (checked here)."""
+    lines = [json.loads(x) for x in est.read_text().splitlines()]
+    got = store.query(
+        "SELECT count(*) AS n, count(trimmed_tokens) AS t, count(pg) AS p FROM req_steps"
+    ).to_pylist()[0]
+    assert got["t"] == sum("trimmed_tokens" in x for x in lines) > 0
+    return lines, got
+
+
 def _collector(srv: SimHTTP, run: str, tmp: Path, **kw) -> tuple[Collector, Store]:
     store = Store(tmp / "store")
     opts = CollectorOptions(srv.url, run, state_dir=tmp / "state", timeout_s=5.0, **kw)
@@ -297,12 +308,8 @@ def test_estimator_lines_written_while_polling_are_all_merged(sglang_wheel, tmp_
         col.finish()
     finally:
         srv.close()
-    lines = [json.loads(x) for x in est.read_text().splitlines()]
-    got = store.query(
-        "SELECT count(*) AS n, count(trimmed_tokens) AS t, count(pg) AS p FROM req_steps"
-    ).to_pylist()[0]
+    lines, got = _merged(store, est)
     assert got["n"] == srv.verify_calls
-    assert got["t"] == sum("trimmed_tokens" in x for x in lines) > 0
     assert got["p"] == sum("pg" in x for x in lines) > 0
     assert col.servers[0].totals.late_lines == 0
     one = next(x for x in lines if "trimmed_tokens" in x)
@@ -552,12 +559,8 @@ def test_collector_killed_while_holding_rows_resumes_without_loss(sglang_wheel, 
         second.finish()
     finally:
         srv.close()
-    lines = [json.loads(x) for x in est.read_text().splitlines()]
-    got = store.query(
-        "SELECT count(*) AS n, count(trimmed_tokens) AS t, count(pg) AS p FROM req_steps"
-    ).to_pylist()[0]
+    lines, got = _merged(store, est)
     assert _req_count(store, "k") == got["n"] == srv.verify_calls
-    assert got["t"] == sum("trimmed_tokens" in x for x in lines) > 0
     assert got["p"] == sum("pg" in x for x in lines)
     assert len(_steps(store, "k")) == 15
 
@@ -593,8 +596,9 @@ def test_engine_server_info_has_the_shape_sglang_builds(sglang_wheel):
     """engine-server's /server_info and SGLang's handler agree on every surface the collector
     reads: top-level keys, the startup_time dict keys (engine and per rank), version."""
     from dspark_obs.sglang.engine_server import ServerOptions, build_service
+    from dspark_obs.testing.tiny_models import byte_models
 
-    svc = build_service(ServerOptions(tiny=True, port=0, mode="compact"), env={})
+    svc = build_service(ServerOptions(port=0, mode="compact"), env={}, models=byte_models())
     ours = msgspec.json.decode(msgspec.json.encode(svc.server_info()))
     sim = SimServer(sglang_wheel, dp=1, seed=70)
     sim.step(1)
@@ -642,3 +646,42 @@ def test_rows_without_lines_wait_only_until_the_recorder_has_flushed(sglang_whee
     finally:
         srv.close()
     assert _req_count(store, "w") == srv.verify_calls
+
+
+def test_a_poll_failing_after_it_stored_rows_counts_what_it_stored(
+    sglang_wheel, tmp_path, monkeypatch
+):
+    """The totals are the sum of the polls' reports, a failed poll's included: rows it stored
+    before failing are counted once (and the poll is not counted as a success)."""
+    from dspark_obs.sglang.server_collector import ServerCollector
+
+    sim = SimServer(sglang_wheel, dp=2, mode="compact", seed=11)
+    srv = SimHTTP(sim)
+    col, store = _collector(srv, "r", tmp_path)
+    sc = col.servers[0]
+    real = ServerCollector._save_state
+    calls: list[int] = []
+
+    def save_then_fail(self: ServerCollector) -> None:
+        calls.append(1)
+        if len(calls) == 1:  # right after the first rank's rows were stored
+            raise OSError("disk full")
+        real(self)
+
+    try:
+        srv.step(6)
+        monkeypatch.setattr(ServerCollector, "_save_state", save_then_fail)
+        with pytest.raises(OSError, match="disk full"):
+            sc.poll()
+        monkeypatch.setattr(ServerCollector, "_save_state", real)
+        stored_after_failure = len(_steps(store, "r"))
+        assert stored_after_failure > 0
+        assert sc.totals.steps == stored_after_failure and sc.totals.polls == 0
+        assert sc.totals.req_steps == _req_count(store, "r")
+        col.poll_once()
+        col.finish()
+    finally:
+        srv.close()
+    got = _steps(store, "r")
+    assert len(got) == sum(len(r.appended) for r in sim.ranks)
+    assert sc.totals.steps == len(got) and sc.totals.req_steps == _req_count(store, "r")

@@ -72,3 +72,29 @@ def test_promtool_accepts_the_exposition() -> None:
     )
     assert res.returncode == 0, res.stderr.decode() + res.stdout.decode()
     fan.close()
+
+
+def test_a_runs_prometheus_sink_exposes_its_own_backpressure_as_the_catalog_says() -> None:
+    from dspark_obs.sinks.backpressure import expose_backpressure
+    from dspark_obs.sinks.catalog import BACKPRESSURE_METRICS
+    from dspark_obs.sinks.prometheus import PrometheusSink
+
+    prom, mem = PrometheusSink(background=False), MemorySink()
+    fan = FanOut([mem, prom], threaded=True)
+    assert expose_backpressure(fan, [mem, prom]) == 1  # only the sink that serves a registry
+    fan.emit("steps", _steps(0))
+    fan.drain()
+    families = {
+        f.name: f for f in text_string_to_metric_families(generate_latest(prom.registry).decode())
+    }
+    for m in BACKPRESSURE_METRICS:
+        assert families[m.family].type == m.kind == "counter", m.name
+        assert families[m.family].documentation == m.help
+        assert {s.labels["sink"] for s in families[m.family].samples} == {
+            "MemorySink",
+            "PrometheusSink",
+        }
+    got = _samples(prom.registry)
+    assert got[("dspark_sink_batches_total", "PrometheusSink")] == 1
+    assert got[("dspark_sink_rows_total", "MemorySink")] == 3
+    fan.close()

@@ -19,7 +19,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from test_sinks_prometheus import tiny_models, tiny_requests, trimming_config
+from test_sinks_prometheus import tiny_requests, trimming_config
 
 from dspark_obs.engine.session import run_with_companion
 from dspark_obs.fanout import MemorySink
@@ -31,6 +31,7 @@ from dspark_obs.sinks.catalog import (
     GENAI_TTFT_BUCKETS,
 )
 from dspark_obs.sinks.otel import otlp_configured
+from dspark_obs.testing.tiny_models import tiny_models
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import urllib.request
 
 import numpy as np
 import pytest
-import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -21,27 +20,17 @@ from dspark_obs.analytics.calibration import calibration_table, position_labels
 from dspark_obs.analytics.companion import step_ceilings
 from dspark_obs.analytics.estimator import estimate_blocks
 from dspark_obs.analytics.windows import window_stats
-from dspark_obs.engine.costs import AdditiveCostTable
-from dspark_obs.engine.drafter import Drafter, DrafterConfig
+from dspark_obs.cost_table import AdditiveCostTable
 from dspark_obs.engine.loop import EngineConfig, GenRequest
-from dspark_obs.engine.model import ModelConfig, Target
-from dspark_obs.engine.session import Models, run_with_companion
+from dspark_obs.engine.session import run_with_companion
 from dspark_obs.fanout import FanOut, MemorySink
 from dspark_obs.sinks import PrometheusSink, telemetry_sinks
 from dspark_obs.sinks.catalog import METRICS, token_buckets
+from dspark_obs.testing.tiny_models import tiny_models
 
 VOCAB = 6  # tiny vocabulary: random drafts are often accepted, so windows get trimmed
 ALLOWED_LABELS = {"model", "mode", "workload", "dp_rank", "position", "bin", "table", "reason",
-                  "finish_reason", "le"}  # fmt: skip
-
-
-def tiny_models() -> Models:
-    torch.manual_seed(0)
-    target = Target(ModelConfig.tiny(vocab_size=VOCAB, max_position=512)).eval()
-    dcfg = DrafterConfig.for_target(
-        target, num_layers=1, markov_rank=4, gamma_max=5, context_window=64
-    )
-    return Models(target, Drafter(dcfg, target).eval(), None, (), "tiny", "tiny-drafter")
+                  "finish_reason", "tail", "le"}  # fmt: skip
 
 
 def trimming_config(mode: str = "compact") -> EngineConfig:
@@ -166,14 +155,19 @@ def test_window_utilization_estimator_and_token_counters(run) -> None:
         rs[rs.run_id == "t"].acc_len.sum()
     )
     assert value(prom, "dspark_ceiling_per_step_tokens_count") == len(cap)
-    # estimator: finished per request, sums equal one pass over the whole run
+    # estimator: finished per request; the bracket sums equal one pass over the whole run
+    # (the point's tail model is fit on the run so far at each pass: tests/test_sinks_stats.py)
     compact = rs[rs.run_id == "t"]
     blocks = estimate_blocks(
-        compact, requests=mem.table("requests").to_pandas(), tail="confidence", mode="compact"
+        compact, requests=mem.table("requests").to_pandas(), mode="compact"
     ).blocks
-    for col in ("lo", "point", "hi"):
+    for col in ("lo", "hi", "committed"):
         got = value(prom, f"dspark_estimator_{col}_tokens_total")
         assert got == pytest.approx(blocks[col].sum(), rel=1e-9)
+    scraped = samples(prom)
+    tails = {s.labels["tail"] for s in scraped if s.name == "dspark_estimator_point_tokens_total"}
+    assert tails and tails <= {"calibrated", "confidence", "empirical", "none"}
+    assert value(scraped, "dspark_estimator_point_tokens_total") >= blocks["committed"].sum()
     assert value(prom, "dspark_estimator_blocks_total") == len(compact)
     full = (compact.correct_drafts == compact.verify_len - 1) & (compact.verify_len <= 5)
     assert value(prom, "dspark_window_fully_accepted_total") == full.sum() > 0

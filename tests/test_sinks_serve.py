@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from prometheus_client import CollectorRegistry
-from test_sinks_prometheus import tiny_models, tiny_requests, trimming_config, value
+from test_sinks_prometheus import tiny_requests, trimming_config, value
 from typer.testing import CliRunner
 
 from dspark_obs.cli import app
@@ -21,6 +21,7 @@ from dspark_obs.sinks import PrometheusSink
 from dspark_obs.sinks.serve import MAX_PROBLEMS, StoreFollower, replay
 from dspark_obs.store import Store
 from dspark_obs.store.check import check_store, repair
+from dspark_obs.testing.tiny_models import tiny_models
 
 sys.path.insert(0, str(Path(__file__).parent))
 import test_store_source as src  # noqa: E402

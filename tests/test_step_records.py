@@ -3,7 +3,7 @@
 A real engine run (tiny random models, CPU, every mode, greedy and sampled requests, a cost
 table that trims windows so the estimator fields are filled) emits its row dicts; the same
 steps handed to ``StepRecordBuilder`` as arrays must give tables equal to
-``schema.validate(rows)``, schema and values, with nothing left for validate to drop.
+``validation.validate(rows)``, schema and values, with nothing left for validate to drop.
 """
 
 from __future__ import annotations
@@ -17,13 +17,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
-import torch
 
-from dspark_obs import schema
-from dspark_obs.engine.costs import AdditiveCostTable
-from dspark_obs.engine.drafter import Drafter, DrafterConfig
+from dspark_obs import schema, validation
+from dspark_obs.cost_table import AdditiveCostTable
+from dspark_obs.engine.drafter import Drafter
 from dspark_obs.engine.loop import Engine, EngineConfig, GenRequest
-from dspark_obs.engine.model import ModelConfig, Target
+from dspark_obs.engine.model import Target
 from dspark_obs.engine.step_records import (
     PgEntries,
     RecordWorker,
@@ -31,18 +30,14 @@ from dspark_obs.engine.step_records import (
     StepRecordBuilder,
     StepRecordError,
 )
+from dspark_obs.testing.tiny_models import tiny_pair
 
 VOCAB = 6
 GAMMA = 5
 
 
 def _models() -> tuple[Target, Drafter]:
-    torch.manual_seed(0)
-    target = Target(ModelConfig.tiny(vocab_size=VOCAB, max_position=512)).double().eval()
-    dcfg = DrafterConfig.for_target(
-        target, num_layers=1, markov_rank=4, gamma_max=5, context_window=64
-    )
-    return target, Drafter(dcfg, target).double().eval()
+    return tiny_pair(0, vocab_size=VOCAB)
 
 
 def _trimming_table() -> AdditiveCostTable:
@@ -195,10 +190,10 @@ def test_column_builder_equals_row_dicts_on_a_real_engine_run(mode: str) -> None
         assert builder.pending_steps == 0
     for name in ("steps", "req_steps"):
         got = pa.concat_tables(tables[name])
-        want, errors = schema.validate(name, rows[name])
+        want, errors = validation.validate(name, rows[name])
         assert errors == []
         _assert_tables_equal(got, want)
-        again, errors = schema.validate(name, got)  # nothing for validate to drop or cast
+        again, errors = validation.validate(name, got)  # nothing for validate to drop or cast
         assert errors == []
         _assert_tables_equal(again, got)
 

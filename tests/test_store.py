@@ -71,6 +71,7 @@ BATCH_ROWS = {
     "steps": src.STEPS_PER_BATCH,
     "req_steps": src.STEPS_PER_BATCH * src.REQS_PER_STEP,
     "requests": src.REQS_PER_STEP,
+    "req_step_amends": src.STEPS_PER_BATCH * src.REQS_PER_STEP,
 }
 
 
@@ -84,6 +85,8 @@ def batch_counts(store: Store) -> dict[tuple[str, int], int]:
         UNION ALL SELECT 'req_steps', forward_ct // {per}, count(*) FROM req_steps GROUP BY ALL
         UNION ALL SELECT 'requests', CAST(split_part(rid, '-', 2) AS BIGINT), count(*)
                   FROM requests GROUP BY ALL
+        UNION ALL SELECT 'req_step_amends', forward_ct // {per}, count(*) FROM req_step_amends
+                  GROUP BY ALL
         """
     ).to_pylist()
     return {(r["t"], r["k"]): r["n"] for r in rows}
@@ -468,7 +471,12 @@ def test_export_round_trips(tmp_path: Path) -> None:
         back = pq.read_table(tmp_path / "out" / f"{table}.parquet")
         assert [f.type for f in back.schema] == [f.type for f in sch]
         # Export is in key order; compare with the source in the same order.
-        batches = [b for t, _, b in source(RUN, 5) + source("run-b", 2) if t == table]
+        batches = [
+            src.merged_req_steps(r, k) if t == "req_steps" else b  # amendments merged on
+            for r, n in ((RUN, 5), ("run-b", 2))
+            for t, k, b in source(r, n)
+            if t == table
+        ]
         keys = [(k, "ascending") for k in schema.KEYS[table]]
         orig = pa.concat_tables(batches).sort_by(keys)
         assert back.cast(sch).equals(orig), table

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from dspark_obs import schema
+from dspark_obs import schema, validation
 
 GAMMA = 4
 STEPS_PER_BATCH = 6
@@ -72,6 +72,24 @@ def req_steps_batch(run_id: str, k: int, dp_rank: int = 0) -> pa.Table:
     return _valid("req_steps", rows)
 
 
+def amends_batch(run_id: str, k: int, dp_rank: int = 0) -> pa.Table:
+    """Late estimator lines for every request-step of req_steps batch ``k`` (stored without
+    them): the drafts past each window, their log-probs, one pg entry each."""
+    rows = []
+    for row in req_steps_batch(run_id, k, dp_rank).to_pylist():
+        n = GAMMA + 1 - row["verify_len"]
+        f = row["forward_ct"]
+        rows.append({
+            "run_id": run_id, "dp_rank": dp_rank, "forward_ct": f, "rid": row["rid"],
+            "gamma": GAMMA, "verify_len": row["verify_len"],
+            "trimmed_tokens": [(f * 31 + j) % 500 for j in range(n)],
+            "q_lp": [-0.25 * (j + 1) for j in range(n)],
+            "pg": [{"src_fct": f, "k": row["verify_len"] + j, "target_logprob": -0.5,
+                    "draft_token": (f * 31 + j) % 500, "realized_token": 3} for j in range(n)],
+        })
+    return _valid("req_step_amends", rows)
+
+
 def requests_batch(run_id: str, k: int) -> pa.Table:
     rows = [{"run_id": run_id, "rid": f"r{r}-{k}", "workload": ("math", "chat", "poetry")[r % 3],
              "completion_tokens": 40 + r, "finish_reason": "stop"} for r in range(REQS_PER_STEP)]
@@ -84,8 +102,22 @@ def source(run_id: str, n_batches: int) -> Iterator[tuple[str, int, pa.Table]]:
     for k in range(n_batches):
         yield "steps", k, steps_batch(run_id, k)
         yield "req_steps", k, req_steps_batch(run_id, k)
+        if k % 2 == 1:  # the estimator lines of this batch came after it was stored
+            yield "req_step_amends", k, amends_batch(run_id, k)
         if k % 5 == 4:
             yield "requests", k, requests_batch(run_id, k)
+
+
+def merged_req_steps(run_id: str, k: int) -> pa.Table:
+    """What the req_steps view shows for batch ``k``: its amendment's fields merged on."""
+    rows = req_steps_batch(run_id, k)
+    if k % 2 == 0:
+        return rows
+    amends = amends_batch(run_id, k)
+    for name in schema.AMENDED_FIELDS:
+        i = rows.schema.get_field_index(name)
+        rows = rows.set_column(i, rows.schema.field(i), amends.column(name))
+    return rows
 
 
 def expected_counts(n_batches: int) -> dict[str, int]:
@@ -94,11 +126,12 @@ def expected_counts(n_batches: int) -> dict[str, int]:
         "steps": n_batches * STEPS_PER_BATCH,
         "req_steps": n_batches * STEPS_PER_BATCH * REQS_PER_STEP,
         "requests": (n_batches // 5) * REQS_PER_STEP,
+        "req_step_amends": (n_batches // 2) * STEPS_PER_BATCH * REQS_PER_STEP,
     }
 
 
 def _valid(table: str, rows: list[dict[str, Any]]) -> pa.Table:
-    batch, errors = schema.validate(table, rows)
+    batch, errors = validation.validate(table, rows)
     assert not errors, errors
     return batch
 

@@ -13,15 +13,10 @@ import torch
 
 from dspark_obs.engine.drafter import Drafter
 from dspark_obs.engine.model import KVCache, ModelConfig, Target
-from dspark_obs.engine.train import (
-    PaddedRunner,
-    batch_indices,
-    drafter_loss,
-    position_weights,
-    sample_anchors,
-    train_drafter,
-    tv_distance,
-)
+from dspark_obs.engine.train import train_drafter
+from dspark_obs.engine.train_data import batch_indices, sample_anchors
+from dspark_obs.engine.train_loss import drafter_loss, position_weights, tv_distance
+from dspark_obs.engine.train_runner import PaddedRunner
 
 
 def test_tv_and_position_weights_by_hand() -> None:

@@ -2,7 +2,7 @@
 "unknown" or the estimator's figure labelled estimated with its interval, never a
 measured-looking 1.0; one STS verdict everywhere; exact quantiles on store-backed pages.
 
-Stores are written through the real ingest path (dashboards/streamlit/sample_store.py), read
+Stores are written through the real ingest path (dspark_obs/testing/sample_store.py), read
 with real DuckDB, and the pages run in streamlit.testing's AppTest.
 """
 
@@ -18,15 +18,15 @@ import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
-APP = Path(__file__).resolve().parents[1] / "dashboards" / "streamlit"
-sys.path.insert(0, str(APP))
+ROOT = Path(__file__).resolve().parents[1]
+APP = ROOT / "dashboards" / "streamlit"
+sys.path.insert(0, str(ROOT))  # the pages import dashboards.streamlit.* as a package
 
-import queries as q  # noqa: E402
-import sample_store  # noqa: E402
-
+from dashboards.streamlit.queries import calibration, ceiling, compare, overview  # noqa: E402
 from dspark_obs.analytics.sts_verdict import OK, TOO_FEW, WORSE, sts_verdict  # noqa: E402
 from dspark_obs.fanout import FanOut  # noqa: E402
 from dspark_obs.store import Store  # noqa: E402
+from dspark_obs.testing import sample_store  # noqa: E402
 
 
 def _write(root: Path, tables: dict[str, pd.DataFrame]) -> Store:
@@ -57,7 +57,7 @@ def alone(tmp_path_factory: pytest.TempPathFactory) -> Store:
     return _write(tmp_path_factory.mktemp("alone") / "store", solo)
 
 
-def test_workload_summary_hides_the_compact_ceiling(paired: Store) -> None:
+def test_workload_summary_hides_the_compact_ceiling(paired: Store, monkeypatch) -> None:
     view = paired.query("FROM workload_summary ORDER BY ALL").to_pandas()
     compact, cap = view[view["mode"] == "compact"], view[view["mode"] == "cap-accept"]
     static = view[view["mode"] == "static"]
@@ -72,18 +72,26 @@ def test_workload_summary_hides_the_compact_ceiling(paired: Store) -> None:
     for r in cap.itertuples():
         g = rows[rows.workload == r.workload]
         assert r.utilization == pytest.approx(g.acc_len.sum() / (g.acc_len + g.cap_trim).sum())
-    # the dashboard's rollup table says the same, NaN where the view says NULL
-    mine = q.workload_table(paired).set_index(["run_id", "workload"])
-    theirs = view.set_index(["run_id", "workload"])
+    # the Compare page's per-workload table is the view's rows (NaN where the view says NULL)
+    monkeypatch.setenv("DSPARK_OBS_STORE", str(paired.root))
+    at = AppTest.from_file(str(APP / "Overview.py"), default_timeout=120)
+    at.switch_page("pages/6_Compare.py")
+    at.run()
+    assert not at.exception, [e.message for e in at.exception]
+    a, b = at.selectbox[0].value, at.selectbox[1].value
+    (shown,) = [d.value for d in at.dataframe if "ceiling_source" in d.value.columns]
+    want = view[view["run_id"].isin([a, b])].sort_values(["run_id", "workload"])
+    assert len(shown) == len(want) > 0
     for col in ("mean_ceiling", "ceiling_tokens", "utilization"):
-        pd.testing.assert_series_equal(mine[col].astype(float), theirs[col].astype(float),
-                                       check_names=False)  # fmt: skip
-    assert (mine["ceiling_source"] == theirs["ceiling_source"]).all()
+        assert np.allclose(shown[col].astype(float), want[col].astype(float), equal_nan=True)
+    assert shown["ceiling_source"].tolist() == want["ceiling_source"].tolist()
+    hidden = shown[shown["mode"] == "compact"]
+    assert hidden[["mean_ceiling", "utilization"]].isna().all().all()
 
 
 def test_compare_never_calls_a_hidden_ceiling_different(paired: Store) -> None:
-    cmp = q.compare_runs(paired, "p-compact", "p-cap", n_boot=100).set_index("metric")
-    for name in q.CEILING_METRICS:
+    cmp = compare.compare_runs(paired, "p-compact", "p-cap", n_boot=100).set_index("metric")
+    for name in compare.CEILING_METRICS:
         row = cmp.loc[name]
         assert math.isnan(row["a"]) and math.isnan(row["diff"]), name
         assert math.isnan(row["diff_lo"]) and math.isnan(row["diff_hi"]), name
@@ -91,7 +99,7 @@ def test_compare_never_calls_a_hidden_ceiling_different(paired: Store) -> None:
         assert not math.isnan(row["b"])  # the companion's ceiling is measured
     same = cmp.loc["accept length (committed / step)"]
     assert same["diff"] == pytest.approx(0.0) and same["note"] == ""
-    measured = q.compare_runs(paired, "p-static", "p-cap", n_boot=100).set_index("metric")
+    measured = compare.compare_runs(paired, "p-static", "p-cap", n_boot=100).set_index("metric")
     row = measured.loc["utilization (committed / ceiling)"]
     assert row["diff_lo"] <= row["diff"] <= row["diff_hi"] and row["note"] == ""
 
@@ -99,15 +107,15 @@ def test_compare_never_calls_a_hidden_ceiling_different(paired: Store) -> None:
 def test_run_ceiling_is_measured_by_the_companion_or_estimated_with_an_interval(
     paired: Store, alone: Store
 ) -> None:
-    by_comp = q.run_ceiling(paired, "p-compact", n_boot=50)
-    truth = q.run_ceiling(paired, "p-cap", n_boot=50)
+    by_comp = overview.run_ceiling(paired, "p-compact", n_boot=50)
+    truth = overview.run_ceiling(paired, "p-cap", n_boot=50)
     assert by_comp.source == "measured by p-cap" and truth.source == "measured"
     assert by_comp.ceiling == truth.ceiling and by_comp.utilization == truth.utilization < 1
     rows = paired.query("FROM req_steps WHERE run_id = 'p-cap'").to_pandas()
     assert truth.tokens_left == rows.cap_trim.sum()
     ceiling = (rows.acc_len + rows.cap_trim).sum()
     assert truth.utilization == pytest.approx(rows.acc_len.sum() / ceiling)
-    est = q.run_ceiling(alone, "a-compact", n_boot=100)
+    est = overview.run_ceiling(alone, "a-compact", n_boot=100)
     assert est.source == "estimated" and est.estimated
     assert est.ceiling_lo <= est.ceiling <= est.ceiling_hi
     assert est.ceiling >= est.committed  # committed is a lower bound of the ceiling
@@ -129,17 +137,17 @@ def test_overview_first_screen_is_the_ceiling(alone: Store, monkeypatch) -> None
     values = dict(metrics)
     assert "[" in values["utilization (estimated)"]  # the interval is shown with the point
     assert values["utilization (estimated)"] != "100.0%"
-    est = q.run_ceiling(alone, "a-compact")
+    est = overview.run_ceiling(alone, "a-compact")
     assert values["ceiling / step (estimated)"].startswith(f"{est.ceiling:.2f} [")
 
 
 def test_exact_quantiles_on_store_backed_pages(paired: Store) -> None:
     req = paired.query("FROM requests WHERE run_id = 'p-compact'").to_pandas()
     ttft = (req.first_token_time - req.arrival_time).to_numpy()
-    run = q.run_table(paired).set_index("run_id").loc["p-compact"]
+    run = overview.run_table(paired).set_index("run_id").loc["p-compact"]
     assert run["ttft_p50_s"] == pytest.approx(np.median(ttft), rel=1e-12)
     assert run["ttft_p95_s"] == pytest.approx(np.quantile(ttft, 0.95), rel=1e-12)
-    lat = q.latency(paired)
+    lat = overview.latency(paired)
     row = lat[(lat.run_id == "p-compact") & (lat.metric == "ttft_s") & (lat.workload == "chat")]
     chat = req[req.workload == "chat"]
     want = np.quantile((chat.first_token_time - chat.arrival_time).to_numpy(), [0.25, 0.5, 0.75])
@@ -156,14 +164,14 @@ def test_one_sts_verdict() -> None:
 
 
 def test_calibration_page_never_offers_a_harmful_sts(paired: Store, monkeypatch) -> None:
-    real = q.calibration
+    real = calibration.calibration
 
     def harmful(store, run_id, *args, **kwargs):
         cal = real(store, run_id, *args, **kwargs)
         cal.verdict = sts_verdict(0.077, 0.18, 4, fit_requests=9)
         return cal
 
-    monkeypatch.setattr(q, "calibration", harmful)
+    monkeypatch.setattr(calibration, "calibration", harmful)  # the page reads it at call time
     monkeypatch.setenv("DSPARK_OBS_STORE", str(paired.root))
     at = AppTest.from_file(str(APP / "Overview.py"), default_timeout=120)
     at.switch_page("pages/3_Calibration.py")
@@ -184,7 +192,7 @@ def test_calibration_page_shows_the_verdict_beside_its_download(paired: Store,
     at.switch_page("pages/3_Calibration.py")
     at.run()
     assert not at.exception
-    cal = q.calibration(paired, at.selectbox[0].value)
+    cal = calibration.calibration(paired, at.selectbox[0].value)
     assert cal.verdict is not None and cal.verdict.servable
     shown = [e.value for e in [*at.success, *at.warning, *at.error]]
     assert any(cal.verdict.status in v for v in shown)
@@ -205,7 +213,7 @@ def test_ceiling_page_marks_both_bracket_ends(alone: Store, monkeypatch) -> None
     traces = [t for el in at.get("plotly_chart") for t in json.loads(el.proto.spec)["data"]]
     (ends,) = [t for t in traces if t.get("name") == "bracket ends (lo, hi)"]
     assert ends["mode"] == "markers"
-    summ = q.ceiling_estimate(alone, "a-compact", n_boot=50).summary
+    summ = ceiling.ceiling_estimate(alone, "a-compact", n_boot=50).summary
     want = [*summ["mean_lo"], *summ["mean_hi"]]
     got = ends["y"]
     if isinstance(got, dict):  # plotly >= 6 typed array

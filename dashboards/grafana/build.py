@@ -139,6 +139,21 @@ class PanelSpec:
         return f"{self.why}{via} Metrics: {', '.join(self.metrics)}."
 
 
+def _latency_quantiles_panel(name: str, metric: str, why: str) -> PanelSpec:
+    """p50 and p95 of a latency histogram (seconds) per mode and workload."""
+    by = "mode, workload"
+    return PanelSpec(
+        f"{name} p50 / p95 (Prometheus histogram quantiles)",
+        "timeseries",
+        why,
+        tuple(
+            Query(_quantile(q, metric, by), f"p{round(q * 100)} {{{{mode}}}} {{{{workload}}}}")
+            for q in (0.5, 0.95)
+        ),
+        unit="s",
+    )
+
+
 U = "model_mode_workload"  # the level of the mixin's per-workload recorded series
 UP = "model_mode_workload_position"
 
@@ -487,40 +502,18 @@ PANELS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 unit="reqps",
                 width=8,
             ),
-            PanelSpec(
-                "TTFT p50 / p95 (Prometheus histogram quantiles)",
-                "timeseries",
+            _latency_quantiles_panel(
+                "TTFT",
+                "dspark_time_to_first_token_seconds",
                 "Time to first token (arrival to first token): histogram_quantile over the "
                 "bucketed histogram, so an estimate within its bucket (buckets from 1 ms to "
                 "10 min); the Streamlit pages show exact quantiles from the store.",
-                (
-                    Query(
-                        _quantile(0.5, "dspark_time_to_first_token_seconds", "mode, workload"),
-                        "p50 {{mode}} {{workload}}",
-                    ),
-                    Query(
-                        _quantile(0.95, "dspark_time_to_first_token_seconds", "mode, workload"),
-                        "p95 {{mode}} {{workload}}",
-                    ),
-                ),
-                unit="s",
             ),
-            PanelSpec(
-                "TPOT p50 / p95 (Prometheus histogram quantiles)",
-                "timeseries",
+            _latency_quantiles_panel(
+                "TPOT",
+                "dspark_time_per_output_token_seconds",
                 "Time per output token, first token excluded (SGLang bench_serving's TPOT): "
                 "histogram_quantile over buckets from 1 ms to 30 s.",
-                (
-                    Query(
-                        _quantile(0.5, "dspark_time_per_output_token_seconds", "mode, workload"),
-                        "p50 {{mode}} {{workload}}",
-                    ),
-                    Query(
-                        _quantile(0.95, "dspark_time_per_output_token_seconds", "mode, workload"),
-                        "p95 {{mode}} {{workload}}",
-                    ),
-                ),
-                unit="s",
             ),
         ),
     ),

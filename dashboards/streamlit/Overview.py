@@ -2,7 +2,8 @@
 table, ECE, windows), then every run at a glance (throughput, latency, companion status).
 
 Launch with ``dspark-obs dashboard``; this file is the app's entry page, the others are in
-pages/. Each page is layout only: the numbers come from queries.py.
+pages/. Each page is layout only: the numbers come from the queries package
+(dashboards/streamlit/queries/, one module per page).
 """
 
 from __future__ import annotations
@@ -11,21 +12,15 @@ import math
 
 import plotly.express as px
 import plotly.graph_objects as go
-import queries as q
 import streamlit as st
-import ui
+
+from dashboards.streamlit import ui
+from dashboards.streamlit.queries import overview
+from dashboards.streamlit.queries.overview import RunCeiling
+from dashboards.streamlit.queries.shared import Filters, store_rows
+from dspark_obs.store import Store
 
 MAX_CEILING_RUNS = 6  # the first screen's chart: the newest runs that are not companions
-
-ui.header(
-    "Overview",
-    "Is trimming leaving accepted tokens on the table? Ceiling = what a full-block verify "
-    "would have committed: measured for cap-accept and static runs (and for a compact run by "
-    "its cap-accept companion), estimated with its 95% interval for a compact run alone "
-    "(block-accept estimator). Utilization = committed / ceiling.",
-)
-s = ui.store()
-live = st.sidebar.toggle("Auto-refresh every 5 s", value=False, key="live")
 
 
 def _fmt(value: float, digits: int = 2, pct: bool = False) -> str:
@@ -34,7 +29,7 @@ def _fmt(value: float, digits: int = 2, pct: bool = False) -> str:
     return f"{100 * value:.1f}%" if pct else f"{value:.{digits}f}"
 
 
-def _ranged(c: q.RunCeiling, name: str, digits: int = 2, pct: bool = False) -> str:
+def _ranged(c: RunCeiling, name: str, digits: int = 2, pct: bool = False) -> str:
     """A figure, with its interval when it is estimated."""
     point = _fmt(getattr(c, name), digits, pct)
     if not c.estimated or point == "unknown":
@@ -46,11 +41,11 @@ def _ranged(c: q.RunCeiling, name: str, digits: int = 2, pct: bool = False) -> s
     return f"{point} [{lo}, {hi}]"
 
 
-def ceiling_screen(runs, version: int) -> None:
+def ceiling_screen(s: Store, runs, version: int) -> None:
     """The first screen: the newest primary run's ceiling figures, then a chart over runs."""
     primary = runs[runs["companion_of"].isna()]
     shown = (primary if len(primary) else runs).head(MAX_CEILING_RUNS)
-    ceilings = [ui.cached("run_ceiling", str(s.root), version, r) for r in shown["run_id"]]
+    ceilings = [ui.cached(overview.run_ceiling, s, version, r) for r in shown["run_id"]]
     c = ceilings[0]
     label = {"measured": "measured"}.get(c.source, c.source)
     st.subheader(f"{c.run_id} ({c.mode or 'mode unknown'}): ceiling {label}")
@@ -114,13 +109,12 @@ def ceiling_screen(runs, version: int) -> None:
     ui.table(table)
 
 
-@st.fragment(run_every=5 if live else None)
-def body(f: q.Filters) -> None:
-    runs = q.run_table(s, f)
+def body(s: Store, f: Filters) -> None:
+    runs = overview.run_table(s, f)
     if len(runs) == 0:
         ui.empty_state("No run matches the filters.")
         return
-    ceiling_screen(runs, q.store_rows(s)["req_steps"])
+    ceiling_screen(s, runs, store_rows(s)["req_steps"])
     st.subheader("Runs")
     ui.table(
         runs[
@@ -144,16 +138,16 @@ def body(f: q.Filters) -> None:
     )
     st.caption("TTFT / TPOT: exact quantiles over the stored requests.")
     left, right = st.columns(2)
-    wl = q.workload_table(s, f)
+    wl = overview.accept_by_workload(s, f)
     if len(wl):
         fig = px.bar(
             wl,
             x="workload",
-            y="mean_acc_len",
+            y="accept_length",
             color="run_id",
             barmode="group",
             title="Accept length per workload",
-            labels={"mean_acc_len": "accept length"},
+            labels={"accept_length": "accept length"},
         )
         with left:
             ui.chart(fig, key="accept")
@@ -162,7 +156,7 @@ def body(f: q.Filters) -> None:
             px.bar(runs, x="run_id", y="tokens_per_s", color="mode", title="Tokens/s per run"),
             key="tps",
         )
-    lat = q.latency(s, f)
+    lat = overview.latency(s, f)
     if len(lat) == 0:
         ui.empty_state("No finished request yet (TTFT / TPOT appear when requests finish).")
         return
@@ -189,5 +183,16 @@ def body(f: q.Filters) -> None:
             ui.chart(fig, key=metric)
 
 
-if ui.require_data(s):
-    body(ui.sidebar_filters(s))
+def show(s: Store, f: Filters) -> None:
+    live = st.sidebar.toggle("Auto-refresh every 5 s", value=False, key="live")
+    st.fragment(body, run_every=5 if live else None)(s, f)
+
+
+ui.page(
+    "Overview",
+    "Is trimming leaving accepted tokens on the table? Ceiling = what a full-block verify "
+    "would have committed: measured for cap-accept and static runs (and for a compact run by "
+    "its cap-accept companion), estimated with its 95% interval for a compact run alone "
+    "(block-accept estimator). Utilization = committed / ceiling.",
+    show,
+)

@@ -8,21 +8,24 @@ Over 10 million req-step rows a full-store query then costs milliseconds instead
 (bench/bench_dashboard_queries.py measures both).
 
 Partials are sums and counts (decomposable); latency quantiles are not here: the pages read
-exact ones from the requests table (queries.exact_latency), never a binned estimate. Segments
-that vanished (compacted) drop out of the cache on the next listing. Each segment is read through
-``Store.query`` (read-only, confined to the store).
+exact ones from the requests table (queries.exact_latency), never a binned estimate. The
+segments come from the store's own listing (``Store.segments``: the one file-acceptance rule
+of every read path), so a damaged or foreign file is left out and named, as ``query`` does:
+a StoreWarning, and the frame's ``attrs["skipped"]``. Each segment is read through
+``Store.query_segment`` (read-only, confined to the store); segments that vanished
+(compacted) drop out of the cache on the next listing.
 """
 
 from __future__ import annotations
 
-import glob
 import threading
+import warnings
 from pathlib import Path
 
 import pandas as pd
 
-from dspark_obs.store import Store
-from dspark_obs.store.layout import PLACEHOLDER_DIR, segment_glob
+from dspark_obs.store import Store, StoreWarning
+from dspark_obs.store.segments import Skipped, summary
 
 __all__ = ["BUCKETS", "partials"]
 
@@ -33,17 +36,17 @@ _PARTIAL_SQL = {
     "runs": """
         SELECT run_id, mode, source, model, workload, gamma, temperature, started_at,
                companion_of
-        FROM {src}""",
+        FROM {segment}""",
     "req_steps": """
         SELECT run_id, coalesce(workload, 'unknown') AS workload, verify_len,
                count(*) AS n, sum(acc_len)::BIGINT AS committed,
                sum(acc_len + coalesce(cap_trim, 0))::BIGINT AS ceiling, max(ts) AS last_ts
-        FROM {src} GROUP BY ALL""",
+        FROM {segment} GROUP BY ALL""",
     "requests": """
         SELECT run_id, coalesce(workload, 'unknown') AS workload, count(*) AS n,
                sum(completion_tokens)::BIGINT AS tokens, min(arrival_time) AS t0,
                max(finish_time) AS t1, bit_xor(hash(rid, output_tokens)) AS out_hash
-        FROM {src} GROUP BY ALL""",
+        FROM {segment} GROUP BY ALL""",
     # bootstrap buckets of requests (hash of the rid): the Compare page's intervals
     "req_buckets": f"""
         SELECT run_id, coalesce(workload, 'unknown') AS workload,
@@ -51,7 +54,7 @@ _PARTIAL_SQL = {
                sum(acc_len)::DOUBLE AS committed,
                sum(acc_len + coalesce(cap_trim, 0))::DOUBLE AS ceiling,
                sum(verify_len)::DOUBLE AS verified
-        FROM {{src}} GROUP BY ALL""",
+        FROM {{segment}} GROUP BY ALL""",
     "request_buckets": f"""
         SELECT run_id, coalesce(workload, 'unknown') AS workload,
                hash(rid) % {BUCKETS} AS bucket, count(*) AS requests,
@@ -60,7 +63,7 @@ _PARTIAL_SQL = {
         FROM (SELECT *, first_token_time - arrival_time AS ttft,
                      CASE WHEN completion_tokens > 1 THEN (finish_time - first_token_time)
                           / (completion_tokens - 1) END AS tpot
-              FROM {{src}})
+              FROM {{segment}})
         GROUP BY ALL""",
     "steps": """
         SELECT run_id, bs, num_verify_tokens, count(*) AS steps_all,
@@ -69,7 +72,7 @@ _PARTIAL_SQL = {
                sum(m) FILTER (WHERE ok) AS measured
         FROM (SELECT *, coalesce(nullif(step_gpu_ms, -1), step_cpu_ms) AS m,
                      coalesce(predicted_step_ms >= 0 AND m IS NOT NULL, false) AS ok
-              FROM {src})
+              FROM {segment})
         GROUP BY ALL""",
 }
 _SOURCE_TABLE = {  # kind -> the table whose segments it summarizes
@@ -86,42 +89,32 @@ _cache: dict[tuple[str, str], dict[str, pd.DataFrame]] = {}  # (root, kind) -> p
 _joined: dict[tuple[str, str], tuple[tuple[str, ...], pd.DataFrame]] = {}  # last concatenation
 
 
-def _segments(root: Path, table: str) -> list[str]:
-    return sorted(p for p in glob.glob(segment_glob(root, table)) if PLACEHOLDER_DIR not in p)
-
-
-def _read(store: Store, kind: str, path: str) -> pd.DataFrame:
-    quoted = "'" + path.replace("'", "''") + "'"
-    src = f"read_parquet({quoted}, hive_partitioning = true, hive_types = {{'run_id': VARCHAR}})"
-    return store.query(_PARTIAL_SQL[kind].format(src=src)).to_pandas()
-
-
 def partials(store: Store, kind: str) -> pd.DataFrame:
     """The partial aggregates of every current segment of ``kind``'s table, concatenated.
 
     kind: runs | req_steps | req_buckets | requests | request_buckets | steps. New segments
-    are read once; segments that vanished between two listings (compaction, or renamed away
-    mid-listing) are skipped.
+    are read once; segments that vanished between two listings (compaction) are skipped.
+    Files the store's acceptance rule leaves out are named in a StoreWarning and listed in
+    the result's ``attrs["skipped"]`` (:class:`~dspark_obs.store.segments.Skipped`).
     """
     root = Path(store.root).resolve()
-    paths = _segments(root, _SOURCE_TABLE[kind])
+    table = _SOURCE_TABLE[kind]
+    listing = store.segments(table)
+    paths = sorted(listing.files)
     key = (str(root), kind)
     with _lock:
         known = dict(_cache.get(key, {}))
         last = _joined.get(key)
     if last is not None and last[0] == tuple(paths):
-        return last[1]  # nothing new since the last call
+        return _named(last[1], listing.skipped)  # nothing new since the last call
     fresh = {}
     for p in paths:
         if p in known:
             fresh[p] = known[p]
             continue
-        try:
-            fresh[p] = _read(store, kind, p)
-        except Exception as exc:  # a segment compacted away between glob and read
-            if Path(p).exists():
-                raise
-            del exc
+        part = store.query_segment(table, p, _PARTIAL_SQL[kind])
+        if part is not None:  # None: compacted away (or found damaged) since the listing
+            fresh[p] = part.to_pandas()
     with _lock:
         _cache[key] = fresh  # vanished segments drop out here
     frames = [f for f in fresh.values() if len(f)]
@@ -132,9 +125,23 @@ def partials(store: Store, kind: str) -> pd.DataFrame:
     )
     with _lock:
         _joined[key] = (tuple(fresh), out)
-    return out
+    return _named(out, listing.skipped)
+
+
+def _named(frame: pd.DataFrame, skipped: tuple[Skipped, ...]) -> pd.DataFrame:
+    """The frame with what was left out attached (and warned about); a copy when anything
+    was, so the cached frame never carries a stale list."""
+    if not skipped:
+        if frame.attrs.get("skipped"):
+            frame = frame.copy()
+            frame.attrs["skipped"] = ()
+        return frame
+    warnings.warn(summary(skipped), StoreWarning, stacklevel=3)
+    frame = frame.copy()
+    frame.attrs["skipped"] = skipped
+    return frame
 
 
 def _columns(store: Store, kind: str) -> list[str]:
-    sql = _PARTIAL_SQL[kind].format(src=_SOURCE_TABLE[kind]) + " LIMIT 0"
+    sql = _PARTIAL_SQL[kind].format(segment=_SOURCE_TABLE[kind]) + " LIMIT 0"
     return store.query(sql).schema.names

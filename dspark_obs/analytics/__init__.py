@@ -41,23 +41,20 @@ from dspark_obs.analytics.estimator import (
     validate_estimator,
 )
 from dspark_obs.analytics.estimator_jsonl import EstimatorFileError
-from dspark_obs.analytics.report import Report, build_report
+from dspark_obs.analytics.report import Report
+from dspark_obs.analytics.report_build import build_report
 from dspark_obs.analytics.sts import (
-    StsCalibration,
     StsData,
-    StsFileError,
-    StsHeldout,
     apply_sts,
     fit_sts,
-    fit_sts_heldout,
-    load_sts_shards,
     logit,
     pooled_ece,
     position_ece,
-    save_sts_shard,
     sts_data_from_req_steps,
     temperature_grid,
 )
+from dspark_obs.analytics.sts_heldout import StsHeldout, fit_sts_heldout
+from dspark_obs.analytics.sts_shards import load_sts_shards, save_sts_shard
 from dspark_obs.analytics.sts_verdict import StsVerdict, sts_verdict
 from dspark_obs.analytics.windows import budget_stats, window_histogram, window_stats
 
@@ -70,9 +67,7 @@ __all__ = [
     "EstimatorFileError",
     "JsonlError",
     "Report",
-    "StsCalibration",
     "StsData",
-    "StsFileError",
     "StsHeldout",
     "apply_sts",
     "auroc",

@@ -10,11 +10,10 @@ line and restated here as the contract this module reproduces:
   ``trimmed_tokens`` = draft_tokens[w:gamma] (0-based slice, i.e. draft positions
   w+1..gamma) and ``q_lp`` = the drafter's log-prob of each of them (log-softmax of the
   drafter's corrected logits at the draft temperature).
-* Offsets k are 1-based draft positions of the block: the pending block starts at
-  k = w+1, and trimmed_tokens[k - w - 1] is the draft at k. (schema.PG_TYPE's comment calls
-  k a 0-based offset inside the trimmed drafts; SGLang's is not, and this module follows
-  SGLang.) The draft at k sits at absolute position anchor_pos + k, anchor_pos =
-  prefix_len - 1 of the opening step (SGLang's prefix_lens count the anchor).
+* Offsets k are 1-based draft positions of the block (SGLang's, and schema.PG_TYPE's): the
+  pending block starts at k = w+1, and trimmed_tokens[k - w - 1] is the draft at k. The
+  draft at k sits at absolute position anchor_pos + k, anchor_pos = prefix_len - 1 of the
+  opening step (SGLang's prefix_lens count the anchor).
 * Resolution: at every later step of the request (and at the opening step itself: its own
   bonus token lands on offset w+1) each pending block, oldest first, walks k upward while
   the target position is among the tokens committed this step: row = anchor_pos + k -
@@ -80,7 +79,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -101,10 +99,15 @@ from dspark_obs.analytics.estimator_jsonl import (  # noqa: F401 - re-exported
     parse_estimator_lines,
     read_estimator_jsonl,
 )
-from dspark_obs.analytics.estimator_recorder import BlockAcceptRecorder  # noqa: F401
+from dspark_obs.analytics.estimator_recorder import (  # noqa: F401 - re-exported
+    BlockAcceptRecorder,
+    sglang_skip_mask,
+    sglang_skips_estimator,
+)
 from dspark_obs.analytics.estimator_summary import (  # noqa: F401 - re-exported
     CATEGORIES,
     SUMMARY_COLUMNS,
+    BlockEstimate,
     chain_survival,
     draw_leading,
     sample_ceilings,
@@ -147,28 +150,6 @@ BLOCK_COLUMNS = (
 
 
 # ---------------------------------------------------------------- consumer side
-
-
-@dataclass
-class BlockEstimate:
-    """Per-block brackets and estimates, the tail model used, and data problems found."""
-
-    blocks: pd.DataFrame
-    problems: list[str]
-    tail: str
-    tail_model: TailModel | None = None
-
-    def summary(
-        self,
-        by: Sequence[str] = ("workload",),
-        n_boot: int = 200,
-        seed: int = 0,
-        level: float = 0.95,
-    ) -> pd.DataFrame:
-        """:func:`summarize_blocks` of these blocks, redrawing the tail model's parameters."""
-        return summarize_blocks(
-            self.blocks, by=by, n_boot=n_boot, seed=seed, level=level, tail_model=self.tail_model
-        )
 
 
 def _pg_tuple(e: Any) -> tuple[int, int, float, int, int]:
@@ -231,22 +212,18 @@ def _verified_observations(
 
 
 def sglang_skipped_rows(df: pd.DataFrame) -> np.ndarray:
-    """Rows SGLang's estimator recorder writes nothing for: greedy, top-k or top-p sampling.
+    """Rows SGLang's estimator recorder writes nothing for (:func:`sglang_skip_mask`).
 
     Columns that are absent (e.g. SGLang's own JSONL, which holds only recorded rows) skip
     nothing. SGLang's min-p test has no counterpart: the engine does not sample with min-p.
     """
-    skip = np.zeros(len(df), dtype=bool)
-    if "temperature" in df.columns:
-        t = pd.to_numeric(df["temperature"], errors="coerce").to_numpy(np.float64)
-        skip |= ~np.isnan(t) & (t < 1e-6)  # SGLang's greedy threshold (_SAMPLING_EPS)
-    if "top_k" in df.columns:
-        k = pd.to_numeric(df["top_k"], errors="coerce").to_numpy(np.float64)
-        skip |= ~np.isnan(k) & (k != -1)
-    if "top_p" in df.columns:
-        p = pd.to_numeric(df["top_p"], errors="coerce").to_numpy(np.float64)
-        skip |= ~np.isnan(p) & (p != 1.0)
-    return skip
+
+    def col(name: str) -> np.ndarray:
+        if name not in df.columns:
+            return np.full(len(df), np.nan)
+        return pd.to_numeric(df[name], errors="coerce").to_numpy(np.float64)
+
+    return sglang_skip_mask(col("temperature"), col("top_k"), col("top_p"))
 
 
 def estimate_blocks(
@@ -259,6 +236,7 @@ def estimate_blocks(
     mode: str | None = None,
     rows_from: str = "all",
     seed: int = 0,
+    tail_model: TailModel | None = None,
 ) -> BlockEstimate:
     """One block per request-step: SGLang's bracket, the greedy ceiling and a point estimate.
 
@@ -275,6 +253,10 @@ def estimate_blocks(
     distribution, exact under top-k / top-p too) or "sglang" (drop greedy and top-k / top-p
     rows first, as SGLang's recorder never writes them: SGLang-parity numbers).
     ``seed``: the tail model's cross-validation folds (``auto``).
+    ``tail_model``: a tail model fitted elsewhere (:func:`fit_tail`), used as it is instead of
+    fitting one on these rows: a live sink fits a run's model at fixed points of the run's
+    request count, so its sums do not depend on when its passes ran. These rows'
+    observations are returned in ``.observations`` either way.
     """
     if rows_from not in ("all", "sglang"):
         raise ValueError(f"rows_from must be 'all' or 'sglang', got {rows_from!r}")
@@ -471,7 +453,7 @@ def estimate_blocks(
         ],
         ignore_index=True,
     )
-    model = fit_tail(tail, obs, max(width, 1), seed=seed)
+    model = tail_model if tail_model is not None else fit_tail(tail, obs, max(width, 1), seed=seed)
     has_tail = np.flatnonzero([len(t) > 0 for t in tail_conf])
     if has_tail.size:
         fill_tails(model, has_tail, last_k, tail_conf, wl_arr, chain, out)
@@ -506,7 +488,7 @@ def estimate_blocks(
         },
         columns=list(BLOCK_COLUMNS),
     )
-    return BlockEstimate(blocks, problems, tail, model)
+    return BlockEstimate(blocks, problems, tail, model, obs)
 
 
 def fill_tails(

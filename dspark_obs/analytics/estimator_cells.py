@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from dspark_obs.analytics.estimator_recorder import SGLANG_SAMPLING_EPS
+
 SWEEP_JSON = Path(__file__).resolve().parents[2] / "runtime" / "bench" / "estimator_sweep.json"
 
 SAMPLING_KINDS = {"greedy": "greedy", "T1": "temperature", "T0.7-p0.9": "top-p", "T1-k20": "top-k"}
@@ -28,7 +30,7 @@ def sampling_kind(rows: pd.DataFrame) -> str:
     t = pd.to_numeric(rows.get("temperature", pd.Series(dtype=float)), errors="coerce")
     p = pd.to_numeric(rows.get("top_p", pd.Series(dtype=float)), errors="coerce")
     k = pd.to_numeric(rows.get("top_k", pd.Series(dtype=float)), errors="coerce")
-    if len(t) and (t.fillna(1.0) < 1e-6).all():
+    if len(t) and (t.fillna(1.0) < SGLANG_SAMPLING_EPS).all():
         return "greedy"
     if len(k) and (k.fillna(-1) != -1).any():
         return "top-k"

@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from dspark_obs.analytics._frames import as_frame
-from dspark_obs.analytics.estimator_summary import summarize_blocks
+from dspark_obs.analytics.estimator_summary import INTERVALS, BlockEstimate, summarize_blocks
 
-if TYPE_CHECKING:
-    from dspark_obs.analytics.estimator import BlockEstimate
+COVERS = {
+    "point_ci": "interval_covers",
+    "pred_ci": "pred_interval_covers",
+    "companion_ci": "companion_interval_covers",
+    "bracket_ci": "bracket_interval_covers",
+}
+"""The validation column saying whether each summary interval held its truth."""
+
+
+def _inside(lo: pd.Series, hi: pd.Series, x: pd.Series, tol: float) -> pd.Series:
+    return (lo - tol <= x) & (x <= hi + tol)
 
 
 def _truth_table(truth: Any, by: Sequence[str]) -> pd.DataFrame:
@@ -84,40 +93,18 @@ def validate_estimator(
     out["truth_mean_ceiling"] = truth_v
     out["truth_mean_uncut"] = uncut
     out["blocks"] = m["blocks"]
-    for c in (
-        "mean_lo",
-        "mean_mid",
-        "mean_hi",
-        "mean_point",
-        "point_ci_lo",
-        "point_ci_hi",
-        "pred_ci_lo",
-        "pred_ci_hi",
-        "companion_ci_lo",
-        "companion_ci_hi",
-        "bracket_ci_lo",
-        "bracket_ci_hi",
-        "greedy_mean",
-    ):
+    ends = [f"{c}_{e}" for c in INTERVALS for e in ("lo", "hi")]
+    for c in ("mean_lo", "mean_mid", "mean_hi", "mean_point", *ends, "greedy_mean"):
         out[c] = m[c] if c in m.columns else float("nan")
     # SGLang's bracket lives in the uncut convention; point and greedy in DESIGN's
-    out["inside_bracket"] = (m["mean_lo"] - tol <= uncut) & (uncut <= m["mean_hi"] + tol)
-    out["bracket_interval_covers"] = (m["bracket_ci_lo"] - tol <= uncut) & (
-        uncut <= m["bracket_ci_hi"] + tol
-    )
-    out["mid_abs_err"] = (m["mean_mid"] - uncut).abs()
-    out["point_err"] = m["mean_point"] - truth_v
+    out["inside_bracket"] = _inside(out["mean_lo"], out["mean_hi"], uncut, tol)
+    out["mid_abs_err"] = (out["mean_mid"] - uncut).abs()
+    out["point_err"] = out["mean_point"] - truth_v
     out["point_abs_err"] = out["point_err"].abs()
     out["point_pct_err"] = 100.0 * out["point_abs_err"] / truth_v
-    out["interval_covers"] = (m["point_ci_lo"] - tol <= truth_v) & (
-        truth_v <= m["point_ci_hi"] + tol
-    )
-    out["pred_interval_covers"] = (out["pred_ci_lo"] - tol <= truth_v) & (
-        truth_v <= out["pred_ci_hi"] + tol
-    )
-    out["companion_interval_covers"] = (out["companion_ci_lo"] - tol <= truth_v) & (
-        truth_v <= out["companion_ci_hi"] + tol
-    )
+    for c in INTERVALS:
+        against = uncut if c == "bracket_ci" else truth_v
+        out[COVERS[c]] = _inside(out[f"{c}_lo"], out[f"{c}_hi"], against, tol)
     out["greedy_err"] = m["greedy_mean"] - truth_v
     return out
 
@@ -133,16 +120,10 @@ def coverage(
     """
     by = list(by)
     allv = pd.concat([v.assign(_rep=i) for i, v in enumerate(validations)], ignore_index=True)
-    for c in (
-        "pred_ci_lo",
-        "pred_ci_hi",
-        "pred_interval_covers",
-        "companion_ci_lo",
-        "companion_ci_hi",
-        "companion_interval_covers",
-    ):
-        if c not in allv.columns:
-            allv[c] = np.nan
+    for c in ("pred_ci", "companion_ci"):
+        for col in (f"{c}_lo", f"{c}_hi", COVERS[c]):
+            if col not in allv.columns:
+                allv[col] = np.nan
     allv["_point_w"] = allv["point_ci_hi"] - allv["point_ci_lo"]
     allv["_pred_w"] = allv["pred_ci_hi"] - allv["pred_ci_lo"]
     allv["_comp_w"] = allv["companion_ci_hi"] - allv["companion_ci_lo"]

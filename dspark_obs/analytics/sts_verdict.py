@@ -41,6 +41,11 @@ def _fmt(x: float) -> str:
     return f"{x:.4f}" if math.isfinite(x) else "nan"
 
 
+def _interval(template: str, ci: tuple[float, float]) -> str:
+    """``template`` filled with the interval's ends; empty unless both are finite."""
+    return template.format(*ci) if all(math.isfinite(c) for c in ci) else ""
+
+
 def sts_verdict(
     ece_before: float,
     ece_after: float,
@@ -57,22 +62,14 @@ def sts_verdict(
     few = judged_requests < MIN_HELDOUT_REQUESTS
     if few:
         fit = f" (fit on {fit_requests})" if fit_requests is not None else ""
-        ci = (
-            f", 95% interval [{_fmt(after_ci[0])}, {_fmt(after_ci[1])}]"
-            if all(math.isfinite(c) for c in after_ci)
-            else ""
-        )
+        ci = _interval(", 95% interval [{:.4f}, {:.4f}]", after_ci)
         reasons.append(
             f"judged on only {judged_requests} {judged_on} request(s){fit}: ECE after "
             f"{_fmt(ece_after)}{ci}; too few to trust (want >= {MIN_HELDOUT_REQUESTS})"
         )
     worse = math.isfinite(ece_before) and math.isfinite(ece_after) and ece_after > ece_before
     if worse:
-        ci = (
-            f" (change interval [{change_ci[0]:+.4f}, {change_ci[1]:+.4f}])"
-            if all(math.isfinite(c) for c in change_ci)
-            else ""
-        )
+        ci = _interval(" (change interval [{:+.4f}, {:+.4f}])", change_ci)
         reasons.append(
             f"ECE after STS {_fmt(ece_after)} is WORSE than before {_fmt(ece_before)} on "
             f"{judged_on} requests{ci}; do not serve these"

@@ -1,4 +1,8 @@
-"""The ``dspark-obs`` command. Each area registers its own sub-commands from its module here."""
+"""The ``dspark-obs`` command: ``app`` (the Typer application) and ``main`` (its entry point).
+
+Each area registers its own sub-commands from its module here; a command imports what it
+runs when it runs, so ``dspark-obs --help`` does not load torch.
+"""
 
 from __future__ import annotations
 
@@ -30,3 +34,6 @@ for _area in _AREAS:
 
 def main() -> None:
     app()
+
+
+__all__ = ["app", "main"]

@@ -47,8 +47,8 @@ def report_command(
     seed: Annotated[int, typer.Option(help="Bootstrap / held-out split seed.")] = 0,
 ) -> None:
     """Per-workload windows, committed vs ceiling, utilization, estimator vs truth, ECE."""
-    from dspark_obs.analytics import StsCalibration, build_report
-    from dspark_obs.analytics.sts import StsFileError
+    from dspark_obs.analytics import build_report
+    from dspark_obs.sts_file import StsCalibration, StsFileError
 
     runs, rs, rq, steps = _run_tables(store, run_id)
     try:
@@ -90,7 +90,7 @@ def fit_sts_command(
         load_sts_shards,
         sts_data_from_req_steps,
     )
-    from dspark_obs.analytics.sts import StsFileError
+    from dspark_obs.sts_file import StsFileError
 
     if (run_id is None) == (shards is None):
         raise _fail("give exactly one of --run or --shards")

@@ -20,12 +20,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from dspark_obs.cli.store import StoreOpt
+from dspark_obs.serving.bench_records import BenchRunError
+from dspark_obs.serving.bench_requests import BENCH_WORKLOADS, build_requests
+from dspark_obs.serving.bench_stats import PEAK_CAVEAT, BenchSummary
 from dspark_obs.serving.client import ClientError, ServingClient
 from dspark_obs.serving.gate import GateReport
-from dspark_obs.serving.records import BenchRunError
+from dspark_obs.serving.loadgen import LoadPlan
 from dspark_obs.serving.runner import GateOptions, gate_servers, gate_stored, run_bench
-from dspark_obs.serving.stats import PEAK_CAVEAT, BenchSummary
-from dspark_obs.serving.workloads import BENCH_WORKLOADS, build_requests
 
 
 class Api(StrEnum):
@@ -117,9 +118,8 @@ def bench_command(
     with _progress(n, f"bench {url}") as bar:
         task = bar.add_task("bench", total=n)
         try:
-            result = run_bench(client, requests, concurrency=concurrency,
-                               request_rate=request_rate, warmup=warmup, seed=seed,
-                               on_done=lambda _r: bar.advance(task))
+            plan = LoadPlan(concurrency, request_rate, warmup, seed)
+            result = run_bench(client, requests, plan, on_done=lambda _r: bar.advance(task))
         except (ClientError, ValueError) as exc:
             raise _fail(str(exc)) from None
     s = result.summary

@@ -70,7 +70,15 @@ def dashboard_command(
         raise typer.Exit(2) from None
     if not store.exists():
         typer.echo(f"note: no store at {store} yet; the pages say which command fills it", err=True)
-    env = {**os.environ, "DSPARK_OBS_STORE": str(store.resolve())}
+    # The pages import ``dashboards.streamlit...`` as a package: the checkout root goes on
+    # the path, so the app starts from any working directory.
+    root = entry.parents[2]
+    paths = (str(root), os.environ.get("PYTHONPATH", ""))
+    env = {
+        **os.environ,
+        "DSPARK_OBS_STORE": str(store.resolve()),
+        "PYTHONPATH": os.pathsep.join(p for p in paths if p),
+    }
     typer.echo(f"dashboard: http://{host}:{port}/  (store {store.resolve()}; Ctrl-C stops)")
     cmd = streamlit_command(entry, host, port)
     sys.stdout.flush()

@@ -91,8 +91,7 @@ def run_command(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from dspark_obs.analytics.sts import StsCalibration
-    from dspark_obs.engine.costs import CostTableError
+    from dspark_obs.cost_table import CostTableError
     from dspark_obs.engine.loop import EngineConfig, EngineError
     from dspark_obs.engine.session import (
         load_cost_table,
@@ -103,6 +102,7 @@ def run_command(
     )
     from dspark_obs.fanout import SinkError
     from dspark_obs.store import Store, StoreError
+    from dspark_obs.sts_file import StsCalibration
     from dspark_obs.workloads import WorkloadFileError, load_traffic, mixed_traffic
 
     console = Console(stderr=True)
@@ -148,6 +148,7 @@ def run_command(
             models = load_models(drafter, device=device, sts=temps)
         reqs = traffic_to_requests(traffic, models.tokenizer)
         sink = Store(store)
+        from dspark_obs.sinks.backpressure import expose_backpressure
         from dspark_obs.sinks.serve import telemetry_sinks
 
         live = telemetry_sinks(metrics_port, otlp_endpoint)
@@ -176,6 +177,7 @@ def run_command(
                 seed=seed,
                 extra_config={"split": split, "device": device},
                 progress=progress,
+                on_fan=lambda fan: expose_backpressure(fan, live),
             )
         for r in (main, comp):
             if r is not None:
@@ -212,7 +214,7 @@ def run_command(
 def check_run_ids(run_id: str, companion: bool, store: Path) -> None:
     """Refuse a run id the store cannot hold (and its companion's, ``<id>-cap``), judged
     against the store's own filesystem (its longest file name), before any work."""
-    from dspark_obs.schema import run_id_problem
+    from dspark_obs.validation import run_id_problem
 
     probe = store.resolve()
     while not probe.exists() and probe != probe.parent:
@@ -277,15 +279,14 @@ def profile_command(
     from rich.console import Console
     from rich.table import Table
 
-    from dspark_obs.engine.costs import CostTableError
-    from dspark_obs.engine.drafter import Drafter, DrafterConfig
+    from dspark_obs.cost_table import CostTableError
+    from dspark_obs.engine.drafter import Drafter
+    from dspark_obs.engine.drafter_config import DrafterConfig
     from dspark_obs.engine.loop import EngineError
-    from dspark_obs.engine.profile import (
+    from dspark_obs.engine.profile import parse_batch_sizes, parse_fractions, profile_steps
+    from dspark_obs.engine.profile_report import (
         evaluate_fits,
         metrics_rows,
-        parse_batch_sizes,
-        parse_fractions,
-        profile_steps,
         save_profile,
         save_samples,
     )

@@ -8,11 +8,14 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from dspark_obs.cli.store import StoreOpt
+
+if TYPE_CHECKING:  # torch-backed: imported only when a command needs it
+    from dspark_obs.engine.session import Models
 
 sglang_app = typer.Typer(
     help="SGLang DSpark servers: launch profiles (compact + cap-accept companion).",
@@ -23,6 +26,13 @@ sglang_app = typer.Typer(
 def _fail(msg: str) -> None:
     typer.echo(f"error: {msg}", err=True)
     raise typer.Exit(1)
+
+
+def _tiny_models(seed: int, gamma: int) -> Models:
+    """``--tiny``'s random byte-vocabulary models (from the testing package: test serving)."""
+    from dspark_obs.testing.tiny_models import byte_models
+
+    return byte_models(seed, gamma_max=max(gamma, 5))
 
 
 def engine_server_command(
@@ -70,13 +80,14 @@ def engine_server_command(
     """Serve the embedded DSpark engine with SGLang's HTTP API (/generate, OpenAI chat,
     /server_info step dump, /metrics, /set_internal_state), so the collector, the driver and
     any OpenAI client work against it without a GPU."""
-    from dspark_obs.engine.costs import CostTableError
+    from dspark_obs.cost_table import CostTableError
     from dspark_obs.engine.loop import EngineError
     from dspark_obs.sglang.engine_server import (
         EngineServer,
         ServerError,
         ServerOptions,
         build_service,
+        server_limits,
     )
 
     opts = ServerOptions(
@@ -89,16 +100,14 @@ def engine_server_command(
         cost_table=cost_table,
         sts=sts,
         drafter=drafter,
-        tiny=tiny,
         device=device,
         dump=dump,
         max_records=max_records,
         estimator_path=estimator_path,
-        seed=seed,
     )
     try:
-        service = build_service(opts)
-        server = EngineServer(service, host, port)
+        service = build_service(opts, models=_tiny_models(seed, gamma) if tiny else None)
+        server = EngineServer(service, host, port, server_limits(service, opts))
     except (ServerError, EngineError, CostTableError, OSError, ValueError) as exc:
         _fail(str(exc))
     cfg = service.engine.cfg
@@ -317,8 +326,8 @@ def drive_command(
 ) -> None:
     """Send the same seeded mixed workload to a server and its companion, one after the other,
     and store each request's meta_info and timings (TTFT, TPOT) as requests rows."""
-    from dspark_obs.serving.client import ClientError, GenerationRequest
-    from dspark_obs.serving.workloads import build_requests
+    from dspark_obs.serving.bench_requests import build_requests, requests_from_traffic
+    from dspark_obs.serving.client import ClientError
     from dspark_obs.sglang.drive import DriveTarget, drive
     from dspark_obs.store import Store, StoreError
 
@@ -326,19 +335,7 @@ def drive_command(
         if workload_file is not None:
             from dspark_obs.workloads import load_traffic
 
-            reqs = [
-                GenerationRequest(
-                    rid=t.rid,
-                    messages=t.prompt.messages,
-                    max_new_tokens=t.max_new_tokens,
-                    temperature=t.temperature,
-                    top_p=t.top_p,
-                    top_k=t.top_k,
-                    seed=t.seed,
-                    workload=t.prompt.workload,
-                )
-                for t in load_traffic(workload_file)
-            ]
+            reqs = requests_from_traffic(load_traffic(workload_file))
         else:
             reqs = build_requests(
                 workload, requests, output_len=max_new_tokens, seed=seed, temperature=temperature

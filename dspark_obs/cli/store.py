@@ -80,7 +80,7 @@ def _warn_missing(root: Path) -> None:
 
 def query(
     sql: Annotated[str, typer.Argument(help="SQL over runs, steps, req_steps, requests, "
-                                            "workload_summary (read-only).")],
+                                            "req_step_amends, workload_summary (read-only).")],
     store: StoreOpt = Path("store"),
     fmt: Annotated[Format, typer.Option("--format", "-f", help="Output format.")] = Format.table,
     max_rows: Annotated[
@@ -156,11 +156,14 @@ def store_info(
     for name, t in info["tables"].items():  # type: ignore[union-attr]
         tables.add_row(name, f"{t['rows']:,}", f"{t['segments']:,}", _size(t["bytes"]))
     out.print(tables)
-    runs = Table("run_id", "mode", "workload", "gamma", "source", "steps", "req_steps",
-                 "requests", title="runs")
+    counted = ("steps", "req_steps", "requests", "amended")
+    runs = Table(title="runs")
+    runs.add_column("run_id", no_wrap=True)  # an id is never broken across lines
+    for name in ("mode", "workload", "gamma", "source", *counted):
+        runs.add_column(name)
     for r in info["runs"]:  # type: ignore[union-attr]
         labels = (Text(_cell(r[c])) for c in ("run_id", "mode", "workload", "gamma", "source"))
-        runs.add_row(*labels, *(f"{r[c]:,}" for c in ("steps", "req_steps", "requests")))
+        runs.add_row(*labels, *(f"{r[c]:,}" for c in counted))
     out.print(runs)
 
 

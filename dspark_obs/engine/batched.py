@@ -37,7 +37,6 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -47,9 +46,6 @@ from dspark_obs.engine.drafter import DraftBlock, Drafter
 from dspark_obs.engine.model import Target
 from dspark_obs.engine.packed import drafter_extend, drafter_states, target_forward
 
-if TYPE_CHECKING:
-    from dspark_obs.engine.types import GenRequest, RunResult
-
 __all__ = [
     "BATCH_TIERS",
     "LENGTH_TIERS",
@@ -58,7 +54,6 @@ __all__ = [
     "GraphBank",
     "Pack",
     "SlotPool",
-    "run_no_spec",
     "shared_runtime",
     "tier_of",
 ]
@@ -301,6 +296,7 @@ class BatchedRuntime:
         self.busy = False  # an engine is running on it (shared_runtime hands out another)
         self.key: tuple = ()  # shared_runtime's settings key
         self._anchors = np.zeros(1, dtype=np.int64)
+        self._sts_rows: tuple[np.ndarray, np.ndarray] | None = None  # read at the first draft
         self.pool = self._new_pool(max_batch, max_len)
 
     def _new_pool(self, max_batch: int, max_len: int) -> SlotPool:
@@ -369,9 +365,27 @@ class BatchedRuntime:
         self._anchors[slot] = token
 
     def reset(self) -> None:
-        """Forget every running request (a new run starts)."""
+        """Forget every running request (a new run starts; the drafter's STS temperatures
+        are read again at its first draft)."""
         self.used = 0
         self.pool.lengths[:] = 0
+        self._sts_rows = None
+
+    @property
+    def asynchronous(self) -> bool:
+        """CUDA: launches (graph replays) return before the device finishes."""
+        return self.device.type == "cuda"
+
+    def _sts(self, temps: Sequence[float]) -> np.ndarray:
+        """[B, gamma] STS temperatures per row: the greedy set for greedy rows."""
+        assert self.drafter is not None
+        if self._sts_rows is None:
+            self._sts_rows = (
+                self.drafter.sts(self.gamma).float().numpy(),
+                self.drafter.sts(self.gamma, greedy=True).float().numpy(),
+            )
+        sample, greedy = self._sts_rows
+        return np.stack([greedy if t <= 0 else sample for t in temps])
 
     # -- step functions (graph-safe) ------------------------------------------------------
     def _verify_fn(
@@ -488,13 +502,15 @@ class BatchedRuntime:
     def draft(
         self,
         temps: Sequence[float],
-        sts: np.ndarray,
         generators: Sequence[torch.Generator | None] | None = None,
+        *,
+        sts: np.ndarray | None = None,
     ) -> DraftBlock:
         """Draft one block for slots ``0..B-1`` (B = len(temps)); ``sts`` [B, gamma] holds
-        each row's STS temperatures. The block pass and a greedy chain run for every row;
-        sampled rows (temperature > 0) are then redrawn from the same states with their own
-        generators. ``probs`` is filled for sampled rows only (greedy rows never read it)."""
+        each row's STS temperatures (default: the drafter's own). The block pass and a greedy
+        chain run for every row; sampled rows (temperature > 0) are then redrawn from the same
+        states with their own generators. ``probs`` is filled for sampled rows only (greedy
+        rows never read it)."""
         assert self.drafter is not None
         batch = len(temps)
         bt = tier_of(batch, self.batch_tiers) if self.graphs_on else batch
@@ -502,7 +518,7 @@ class BatchedRuntime:
         t = np.zeros(bt, dtype=np.float32)
         t[:batch] = temps
         st = np.ones((bt, self.gamma), dtype=np.float32)
-        st[:batch] = sts
+        st[:batch] = self._sts(temps) if sts is None else sts
         committed = self.pool.lengths[:bt].copy()
         span = self._span(int(committed.max()) + self.drafter.cfg.gamma_max)
         inputs = {
@@ -652,81 +668,3 @@ def shared_runtime(
 
 PREFILL_CHUNK = 64
 """Prompt tokens per prefill forward under CUDA graphs (one captured width)."""
-
-
-# --------------------------------------------------------------------------- no speculation
-def run_no_spec(
-    target: Target,
-    requests: Sequence[GenRequest],
-    *,
-    max_batch: int,
-    stop_ids: Sequence[int] = (),
-    cuda_graphs: bool = True,
-    compiled: bool = False,
-) -> RunResult:
-    """Plain greedy decoding on the batched runtime (one token per request per step): the
-    no-speculation baseline, served from a queue at ``max_batch`` concurrency."""
-    from dspark_obs.engine.types import RunResult
-
-    stops = frozenset(int(s) for s in stop_ids)
-    need = max(len(r.prompt_ids) + r.max_new_tokens + 2 for r in requests)
-    rt = shared_runtime(
-        target, None, max_batch=max_batch, max_len=need, gamma=1, cuda_graphs=cuda_graphs,
-        compiled=compiled,
-    )
-    result = RunResult("no-spec")
-    waiting = list(requests)
-    slot_req: list = []  # slot -> request
-    last: list[int] = []  # slot -> its newest token
-
-    def done(r: GenRequest, tokens: list[int]) -> bool:
-        return (tokens[-1] in stops and not r.ignore_eos) or len(tokens) >= r.max_new_tokens
-
-    first: dict[str, float] = {}
-
-    def drop(s: int) -> None:  # the highest slot's request moves into slot s
-        moved = rt.release(s)
-        result.requests += 1
-        rid = slot_req[s].rid
-        result.times[rid] = (first[rid], time.perf_counter())
-        if moved is not None:
-            slot_req[s], last[s] = slot_req[moved], last[moved]
-        slot_req.pop()
-        last.pop()
-
-    t0 = time.perf_counter()
-    try:
-        with torch.inference_mode():
-            while waiting or slot_req:
-                admit = waiting[: max_batch - len(slot_req)]
-                del waiting[: len(admit)]
-                if admit:
-                    slots = [rt.acquire() for _ in admit]
-                    logits = rt.prefill(slots, [r.prompt_ids for r in admit])
-                    now = time.perf_counter()
-                    for r, tok in zip(admit, logits.argmax(-1).tolist(), strict=True):
-                        first[r.rid] = now
-                        result.outputs[r.rid] = [tok]
-                        result.committed_tokens += 1
-                        slot_req.append(r)
-                        last.append(tok)
-                    for s in sorted(slots, reverse=True):
-                        if done(slot_req[s], result.outputs[slot_req[s].rid]):
-                            drop(s)
-                if not slot_req:
-                    continue
-                out = rt.forward(list(range(len(slot_req))), [[t] for t in last], q=1)
-                result.steps += 1
-                for s, tok in enumerate(out.argmax.tolist()):
-                    result.outputs[slot_req[s].rid].append(tok)
-                    last[s] = tok
-                result.committed_tokens += len(slot_req)
-                for s in range(len(slot_req) - 1, -1, -1):
-                    if done(slot_req[s], result.outputs[slot_req[s].rid]):
-                        drop(s)
-    finally:
-        rt.busy = False
-    result.seconds = time.perf_counter() - t0
-    result.target_tokens = result.committed_tokens
-    return result
-

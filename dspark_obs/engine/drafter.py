@@ -45,6 +45,10 @@ Decode-loop protocol (per request: a target KVCache and a :class:`DrafterCache`)
    drafts); the bonus/corrected token becomes the next anchor.
 
 Only committed positions' features ever enter a DrafterCache, so it never needs rollback.
+
+Beside this module: the hyper-parameters (:mod:`~dspark_obs.engine.drafter_config`), the
+layer on the target's RMSNorm and rope (:mod:`~dspark_obs.engine.drafter_layers`) and the
+per-request context (:mod:`~dspark_obs.engine.drafter_cache`).
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,209 +64,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dspark_obs.engine.drafter_cache import DrafterCache
+from dspark_obs.engine.drafter_config import DrafterConfig, target_signature
+from dspark_obs.engine.drafter_layers import DrafterNorm, DraftLayer
+from dspark_obs.sts_file import load_temperatures
+
 WEIGHTS_FILE = "drafter.safetensors"
 CONFIG_FILE = "config.json"
 STS_FILE = "sts.json"
 STS_GREEDY_FILE = "sts_greedy.json"
 STS_REGIMES = ("all", "sample", "greedy")
-
-
-# --------------------------------------------------------------------------- target access
-def _tcfg(target: Any) -> Any:
-    for name in ("cfg", "config"):
-        c = getattr(target, name, None)
-        if c is not None:
-            return c
-    raise ValueError("target has no .cfg/.config")
-
-
-def _get(c: Any, *names: str) -> Any:
-    for n in names:
-        if hasattr(c, n):
-            return getattr(c, n)
-    raise ValueError(f"target config lacks any of {names}")
-
-
-def target_signature(target: Any) -> dict[str, Any]:
-    """The target shapes a drafter depends on (checked on load)."""
-    c = _tcfg(target)
-    return {
-        "hidden_size": int(_get(c, "hidden_size", "d_model", "dim")),
-        "vocab_size": int(_get(c, "vocab_size")),
-        "num_layers": int(_get(c, "num_layers", "num_hidden_layers", "n_layers")),
-    }
-
-
-# --------------------------------------------------------------------------- config
-@dataclass
-class DrafterConfig:
-    """Drafter hyper-parameters; the target-derived fields must match the target."""
-
-    hidden_size: int = 576
-    vocab_size: int = 49152
-    target_num_layers: int = 30
-    hidden_layers: tuple[int, ...] = (2, 15, 27)
-    num_layers: int = 3
-    num_heads: int = 9
-    num_kv_heads: int = 3
-    head_dim: int = 64
-    intermediate_size: int = 1536
-    gamma_max: int = 7
-    markov_rank: int = 32
-    rope_theta: float = 100000.0
-    rms_eps: float = 1e-5
-    context_window: int = 1024
-    greedy_confidence: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def for_target(cls, target: Any, **overrides: Any) -> DrafterConfig:
-        """Derive width/vocab/head layout from the target, so weights can be shared."""
-        c = _tcfg(target)
-        sig = target_signature(target)
-        n = sig["num_layers"]
-        kw: dict[str, Any] = {
-            "hidden_size": sig["hidden_size"],
-            "vocab_size": sig["vocab_size"],
-            "target_num_layers": n,
-            # low / middle / high layers, as in multi-layer feature drafters
-            "hidden_layers": tuple(sorted({min(2, n - 1), n // 2, max(n - 3, 0)})),
-            "num_heads": int(_get(c, "num_heads", "num_attention_heads", "n_heads")),
-            "num_kv_heads": int(_get(c, "num_kv_heads", "num_key_value_heads", "n_kv_heads")),
-            "intermediate_size": int(_get(c, "intermediate_size", "ffn_dim", "hidden_dim")),
-        }
-        kw["head_dim"] = int(getattr(c, "head_dim", 0) or sig["hidden_size"] // kw["num_heads"])
-        for name, attrs in (
-            ("rope_theta", ("rope_theta", "rope_base")),
-            ("rms_eps", ("rms_norm_eps", "rms_eps", "norm_eps")),
-        ):
-            for a in attrs:
-                if getattr(c, a, None) is not None:
-                    kw[name] = float(getattr(c, a))
-                    break
-        kw.update(overrides)
-        kw["hidden_layers"] = tuple(int(x) for x in kw["hidden_layers"])
-        return cls(**kw)
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["hidden_layers"] = list(self.hidden_layers)
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> DrafterConfig:
-        d = dict(d)
-        d["hidden_layers"] = tuple(d["hidden_layers"])
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in d.items() if k in known})
-
-
-# --------------------------------------------------------------------------- building blocks
-class RMSNorm(nn.Module):
-    """Llama RMSNorm (computed in float32 for stability under bf16 autocast)."""
-
-    def __init__(self, d: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
-
-
-def rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
-    """Rotary embedding (rotate-half layout) of x [..., n, hd] at positions pos [..., n]."""
-    hd = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd)
-    ang = pos.to(torch.float32).unsqueeze(-1) * inv  # [..., n, hd/2]
-    cos = torch.cat([ang.cos(), ang.cos()], -1)
-    sin = torch.cat([ang.sin(), ang.sin()], -1)
-    xf = x.float()
-    x1, x2 = xf[..., : hd // 2], xf[..., hd // 2 :]
-    rot = torch.cat([-x2, x1], -1)
-    return (xf * cos + rot * sin).to(x.dtype)
-
-
-class DraftLayer(nn.Module):
-    """Pre-norm Llama block whose keys/values are [projected context ; block]."""
-
-    def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        d, h, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.cfg = cfg
-        self.in_norm = RMSNorm(d, cfg.rms_eps)
-        self.q_proj = nn.Linear(d, h * hd, bias=False)
-        self.k_proj = nn.Linear(d, kvh * hd, bias=False)
-        self.v_proj = nn.Linear(d, kvh * hd, bias=False)
-        self.o_proj = nn.Linear(h * hd, d, bias=False)
-        self.post_norm = RMSNorm(d, cfg.rms_eps)
-        self.gate = nn.Linear(d, cfg.intermediate_size, bias=False)
-        self.up = nn.Linear(d, cfg.intermediate_size, bias=False)
-        self.down = nn.Linear(cfg.intermediate_size, d, bias=False)
-
-    def kv(self, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys (roped) and values [B, kvh, n, hd] of already-normalized inputs x [B, n, d]."""
-        b, n, _ = x.shape
-        kvh, hd = self.cfg.num_kv_heads, self.cfg.head_dim
-        k = self.k_proj(x).view(b, n, kvh, hd).transpose(1, 2)
-        v = self.v_proj(x).view(b, n, kvh, hd).transpose(1, 2)
-        return rope(k, pos.unsqueeze(1), self.cfg.rope_theta), v
-
-    def forward(
-        self, x: Tensor, pos: Tensor, ctx_k: Tensor, ctx_v: Tensor, mask: Tensor
-    ) -> Tensor:
-        """x [B, Q, d] block states; ctx_k/v [B, kvh, C, hd]; mask [B, 1, Q, C+Q] bool."""
-        cfg = self.cfg
-        b, q_len, _ = x.shape
-        hn = self.in_norm(x)
-        q = self.q_proj(hn).view(b, q_len, cfg.num_heads, cfg.head_dim).transpose(1, 2)
-        q = rope(q, pos.unsqueeze(1), cfg.rope_theta)
-        k, v = self.kv(hn, pos)
-        k = torch.cat([ctx_k.to(k.dtype), k], 2)
-        v = torch.cat([ctx_v.to(v.dtype), v], 2)
-        rep = cfg.num_heads // cfg.num_kv_heads
-        if rep > 1:
-            k = k.repeat_interleave(rep, 1)
-            v = v.repeat_interleave(rep, 1)
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        x = x + self.o_proj(a.transpose(1, 2).reshape(b, q_len, -1))
-        hn = self.post_norm(x)
-        return x + self.down(F.silu(self.gate(hn)) * self.up(hn))
-
-
-# --------------------------------------------------------------------------- per-request state
-@dataclass
-class DrafterCache:
-    """Per-request drafter context: per-layer projected K/V of committed positions.
-
-    ``num_positions`` counts every committed position whose target features were appended;
-    it is also the absolute position of the next anchor. Only the last ``context_window``
-    positions are kept.
-    """
-
-    keys: list[Tensor] = field(default_factory=list)
-    values: list[Tensor] = field(default_factory=list)
-    num_positions: int = 0
-
-    @property
-    def length(self) -> int:
-        """Context positions kept (after windowing)."""
-        return int(self.keys[0].shape[1]) if self.keys else 0
-
-    def truncate(self, n: int) -> None:
-        """Forget positions >= n (only needed if uncommitted features were ever appended)."""
-        drop = self.num_positions - n
-        if drop < 0:
-            raise ValueError(f"cannot truncate to {n} > {self.num_positions}")
-        if drop > self.length:
-            raise ValueError("truncation reaches past the kept context window")
-        if drop:
-            keep = self.length - drop
-            self.keys = [k[:, :keep] for k in self.keys]
-            self.values = [v[:, :keep] for v in self.values]
-        self.num_positions = n
 
 
 @dataclass
@@ -293,55 +104,18 @@ class DraftBlock:
 _BLOCK_FIELDS = ("tokens", "logprobs", "probs", "conf_logits", "confidence")
 
 
-def load_sts(path: str | Path) -> list[float]:
-    """Read SGLang's STS calibration JSON and validate ``temperatures`` (all finite, > 0).
-
-    Read with the project's bounded reader (size cap, nesting checked on the raw text), so
-    a damaged or hostile file is one clear ValueError, never a RecursionError.
-    """
-    from dspark_obs._jsonfile import read_json_file
-
-    data = read_json_file(path, ValueError)
-    if not isinstance(data, dict) or "temperatures" not in data:
-        raise ValueError(f"{path}: STS JSON needs a 'temperatures' list")
-    temps = data["temperatures"]
-    if not isinstance(temps, list) or not temps:
-        raise ValueError(f"{path}: 'temperatures' must be a non-empty list")
-    out: list[float] = []
-    for i, t in enumerate(temps):
-        if isinstance(t, bool) or not isinstance(t, int | float):
-            raise ValueError(f"{path}: temperatures[{i}] is not a number")
-        if not math.isfinite(t) or t <= 0:
-            raise ValueError(f"{path}: temperatures[{i}] = {t} must be finite and > 0")
-        out.append(float(t))
-    return out
-
-
 # --------------------------------------------------------------------------- the drafter
 class Drafter(nn.Module):
     """DSpark drafter sharing the (frozen) target's embedding, final norm and LM head."""
 
     def __init__(self, cfg: DrafterConfig, target: nn.Module):
         super().__init__()
-        sig = target_signature(target)
-        mism = [
-            f"{k}: drafter {getattr(cfg, ck)} != target {sig[k]}"
-            for k, ck in (
-                ("hidden_size", "hidden_size"),
-                ("vocab_size", "vocab_size"),
-                ("num_layers", "target_num_layers"),
-            )
-            if getattr(cfg, ck) != sig[k]
-        ]
-        if any(layer >= sig["num_layers"] or layer < 0 for layer in cfg.hidden_layers):
-            mism.append(f"hidden_layers {cfg.hidden_layers} outside target's {sig['num_layers']}")
-        if mism:
-            raise ValueError("drafter/target shape mismatch: " + "; ".join(mism))
+        cfg.check_target(target)  # raises ValueError naming every mismatch
         self.cfg = cfg
         object.__setattr__(self, "_target", target)  # shared, not a submodule: never saved
         d = cfg.hidden_size
         self.fc = nn.Linear(len(cfg.hidden_layers) * d, d, bias=False)
-        self.ctx_norm = RMSNorm(d, cfg.rms_eps)
+        self.ctx_norm = DrafterNorm(d, cfg.rms_eps)
         self.mask_embed = nn.Parameter(torch.zeros(d))
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
         self.markov_u = nn.Embedding(cfg.vocab_size, cfg.markov_rank)
@@ -483,7 +257,9 @@ class Drafter(nn.Module):
             t = torch.ones(0)
         else:
             temps = (
-                load_sts(temperatures) if isinstance(temperatures, str | Path) else temperatures
+                load_temperatures(temperatures)
+                if isinstance(temperatures, str | Path)
+                else temperatures
             )
             t = torch.tensor([float(x) for x in temps], dtype=torch.float32)
             if t.numel() == 0 or not torch.isfinite(t).all() or (t <= 0).any():

@@ -40,36 +40,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dspark_obs.analytics.calibration import auroc, ece
 from dspark_obs.engine.drafter import Drafter
-
-ECE_BINS = 15
-
-
-def auroc(score: np.ndarray, label: np.ndarray) -> float:
-    """Area under the ROC curve (ties count half), NaN when a class is absent."""
-    s = np.asarray(score, dtype=np.float64)
-    y = np.asarray(label).astype(bool)
-    n_pos, n_neg = int(y.sum()), int((~y).sum())
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
-    _, inv, counts = np.unique(s, return_inverse=True, return_counts=True)
-    upper = np.cumsum(counts)
-    avg_rank = (upper - (counts - 1) / 2.0)[inv]  # 1-based average ranks
-    return float((avg_rank[y].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
-
-
-def ece_parity(pred: np.ndarray, label: np.ndarray, bins: int = ECE_BINS) -> float:
-    """ECE as SGLang's STS fitter computes it: clamp, floor(p * bins) bins, count-weighted."""
-    if pred.size == 0:
-        return float("nan")
-    p = np.clip(pred.astype(np.float64), 1e-8, 1 - 1e-8)
-    b = np.minimum((p * bins).astype(np.int64), bins - 1)
-    total = 0.0
-    for k in range(bins):
-        m = b == k
-        if m.any():
-            total += m.sum() * abs(p[m].mean() - label[m].astype(np.float64).mean())
-    return float(total / p.size)
 
 
 @dataclass
@@ -91,12 +63,12 @@ class SpecStats:
     def summary(self) -> dict[str, Any]:
         c = np.asarray(self.correct, dtype=np.int64)
         s = np.asarray(self.survival, dtype=np.float64).reshape(-1, self.gamma)
-        cond, ece, acc_rate = [], [], []
+        cond, eces, acc_rate = [], [], []
         for j in range(1, self.gamma + 1):
             reached = (c >= j - 1).sum()
             cond.append(float((c >= j).sum() / reached) if reached else float("nan"))
             label = (c >= j).astype(np.float64)
-            ece.append(ece_parity(s[:, j - 1], label) if c.size else float("nan"))
+            eces.append(ece(s[:, j - 1], label) if c.size else float("nan"))
             acc_rate.append(float(label.mean()) if c.size else float("nan"))
         return {
             "steps": int(c.size),
@@ -105,7 +77,7 @@ class SpecStats:
             "cond_accept": cond,
             "prefix_accept": acc_rate,
             "mean_survival": s.mean(0).tolist() if c.size else [],
-            "ece": ece,
+            "ece": eces,
             "auroc_1": auroc(s[:, 0], c >= 1) if c.size else float("nan"),
             "generated_tokens": int(sum(len(o) for o in self.outputs)),
         }
@@ -321,7 +293,7 @@ def position_eces(
     g = conf_logits.shape[1]
     t = np.ones(g) if temperatures is None else np.asarray(temperatures[:g], dtype=np.float64)
     surv = np.cumprod(_sigmoid(conf_logits / t), 1)
-    return [ece_parity(surv[:, j], (correct >= j + 1).astype(np.float64)) for j in range(g)]
+    return [ece(surv[:, j], (correct >= j + 1).astype(np.float64)) for j in range(g)]
 
 
 def calibration_report(

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dspark_obs.engine.drafter import Drafter, rope
+from dspark_obs.engine.drafter import Drafter
+from dspark_obs.engine.drafter_layers import drafter_rope
 from dspark_obs.engine.model import Target, apply_rope, rms_norm, rope_cos_sin
 
 __all__ = ["dense_functions", "drafter_extend", "drafter_states", "target_forward"]
@@ -177,7 +178,7 @@ def drafter_states(
     for li, layer in enumerate(drafter._draft_layers()):
         hn = layer.in_norm(x)
         qq = layer.q_proj(hn).view(batch, g, cfg.num_heads, hd).transpose(1, 2)
-        qq = rope(qq, pos.unsqueeze(1), cfg.rope_theta).transpose(1, 2)  # [B, g, H, hd]
+        qq = drafter_rope(qq, pos, cfg.rope_theta).transpose(1, 2)  # [B, g, H, hd]
         k, v = layer.kv(hn, pos)  # [B, kvh, g, hd]
         dkv[li, 0, rows, :, flat_pos] = k.transpose(1, 2).reshape(batch * g, n_kv, hd)
         dkv[li, 1, rows, :, flat_pos] = v.transpose(1, 2).reshape(batch * g, n_kv, hd)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dspark_obs.engine.costs import CostTable
+from dspark_obs.cost_table import CostTable
 
 __all__ = [
     "SURVIVAL_EPS",

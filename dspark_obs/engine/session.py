@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dspark_obs.engine.costs import CostTable
+from dspark_obs.cost_table import CostTable
 from dspark_obs.engine.loop import Engine, EngineConfig, EngineError, GenRequest, RunResult
 from dspark_obs.fanout import FanOut, RecordSink
 
@@ -101,9 +101,12 @@ def run_with_companion(
     seed: int = 0,
     extra_config: dict[str, Any] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    on_fan: Callable[[FanOut], Any] | None = None,
 ) -> tuple[RunResult, RunResult | None, FanOut]:
     """Run once in ``config.mode``; with ``companion`` also run the same requests in
     cap-accept as ``{run_id}-cap`` linked by ``companion_of``. Returns both results.
+    ``on_fan`` sees the threaded FanOut before the first record (e.g. to expose its
+    backpressure: ``sinks.backpressure.expose_backpressure``).
 
     Everything is checked (requests, gamma, tables) before the first record is emitted.
     """
@@ -114,6 +117,8 @@ def run_with_companion(
     engine = Engine(models.target, models.drafter, config, models.stop_ids)
     engine.check(requests)
     fan = FanOut(sinks, threaded=True)  # every sink writes on its own thread (bounded queue)
+    if on_fan is not None:
+        on_fan(fan)
     temps = {r.temperature for r in requests}
     temperature = temps.pop() if len(temps) == 1 else None
     cfg_json = {

@@ -24,7 +24,7 @@ Usage (one builder per run)::
 
 The tables have exactly the types of :data:`dspark_obs.schema.STEPS` / ``REQ_STEPS`` and the
 same values the row dicts of ``Engine._req_step_row`` produce once validated (the tests check
-this field by field on a real engine run), so :func:`dspark_obs.schema.validate` only has its
+this field by field on a real engine run), so :func:`dspark_obs.validation.validate` only has its
 rules left to check. Every field's meaning is the schema's; the ones that take a rule:
 
 * ``trimmed_tokens`` / ``q_lp``: for a ``censored`` row (a compact window fully accepted with

@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dspark_obs.engine.costs import CostTable
+from dspark_obs.cost_table import CostTable
+from dspark_obs.engine.penalties import Penalties
 from dspark_obs.schema import MODES
 
 __all__ = [
@@ -106,6 +107,13 @@ class GenRequest:
     ignore_eos: bool = False  # run to max_new_tokens (SGLang's sampling_params.ignore_eos)
     stop_token_ids: tuple[int, ...] = ()  # extra stop ids on top of the engine's EOS ids
     min_new_tokens: int = 0  # stop ids (EOS included) masked until this many tokens exist
+    frequency_penalty: float = 0.0  # SGLang's penalties on output-token counts (penalties.py)
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def penalties(self) -> Penalties:
+        return Penalties(self.frequency_penalty, self.presence_penalty, self.repetition_penalty)
 
 
 MASKED_LOGIT = -1e9

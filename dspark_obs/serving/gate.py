@@ -27,8 +27,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pandas as pd
 
-from .client import GenerationRequest, RequestResult, ServingClient
-from .stats import PEAK_CAVEAT, BenchSummary, bootstrap_step_ratio
+from dspark_obs.serving.bench_stats import PEAK_CAVEAT, BenchSummary, bootstrap_step_ratio
+from dspark_obs.serving.client import GenerationRequest, RequestResult, ServingClient
 
 __all__ = [
     "Difference",

@@ -18,9 +18,20 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .client import ClientError, GenerationRequest, RequestResult, ServingClient
+from dspark_obs.serving.client import ClientError, GenerationRequest, RequestResult, ServingClient
 
-__all__ = ["LoadResult", "arrival_offsets", "run_load"]
+__all__ = ["LoadPlan", "LoadResult", "arrival_offsets", "run_load"]
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """How a benchmark sends its requests: :func:`run_load`'s settings, as one value that a
+    bench run or a gate round passes on."""
+
+    concurrency: int = 1
+    request_rate: float = math.inf  # requests/s, Poisson arrivals; inf: all at once
+    warmup: int = 1
+    seed: int = 0  # of the arrival times
 
 
 @dataclass

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from .client import GenerationRequest, RequestResult, ServingClient
-from .gate import (
+from dspark_obs.serving.bench_records import bench_records, load_bench_run, server_meta
+from dspark_obs.serving.bench_requests import build_requests
+from dspark_obs.serving.bench_stats import BenchSummary, request_frame, summarize, token_events
+from dspark_obs.serving.client import GenerationRequest, RequestResult, ServingClient
+from dspark_obs.serving.gate import (
     GateCheck,
     GateReport,
     check_accept_length,
@@ -19,10 +22,7 @@ from .gate import (
     check_parity,
     perf_verdict,
 )
-from .loadgen import LoadResult, run_load
-from .records import bench_records, load_bench_run, server_meta
-from .stats import BenchSummary, request_frame, summarize, token_events
-from .workloads import build_requests
+from dspark_obs.serving.loadgen import LoadPlan, LoadResult, run_load
 
 __all__ = ["BenchRun", "GateOptions", "gate_servers", "gate_stored", "run_bench"]
 
@@ -47,17 +47,12 @@ class BenchRun:
 def run_bench(
     client: ServingClient,
     requests: Sequence[GenerationRequest],
-    *,
-    concurrency: int = 1,
-    request_rate: float = math.inf,
-    warmup: int = 1,
-    seed: int = 0,
+    plan: LoadPlan | None = None,
     on_done: Progress | None = None,
 ) -> BenchRun:
-    """Warm up, run ``requests`` under load, summarize."""
+    """Warm up, run ``requests`` under load (``plan``; None: one at a time), summarize."""
     server = server_meta(client.server_info())
-    load = run_load(client, requests, concurrency=concurrency, request_rate=request_rate,
-                    warmup=warmup, seed=seed, on_done=on_done)
+    load = run_load(client, requests, **asdict(plan or LoadPlan()), on_done=on_done)
     frame = request_frame(load.results, load.start_clock)
     summary = summarize(frame, load.duration, token_events(load.results, load.start_clock))
     return BenchRun(list(requests), load, frame, summary, server)
@@ -114,12 +109,11 @@ def gate_servers(base: ServingClient, new: ServingClient, opts: GateOptions = Ga
     requests = build_requests(opts.bench_workload, opts.bench_requests,
                               input_len=opts.bench_input_len, output_len=opts.bench_output_len,
                               seed=opts.seed + 1, vocab_size=opts.vocab_size)
+    plan = LoadPlan(opts.concurrency, opts.request_rate, opts.warmup, opts.seed)
     runs: dict[str, list[BenchRun]] = {"base": [], "new": []}
     for _ in range(opts.rounds):  # alternate, so slow drift of a shared machine hits both
         for side, client in (("base", base), ("new", new)):
-            runs[side].append(run_bench(client, requests, concurrency=opts.concurrency,
-                                        request_rate=opts.request_rate, warmup=opts.warmup,
-                                        seed=opts.seed, on_done=on_done))
+            runs[side].append(run_bench(client, requests, plan, on_done))
     (base_frame, base_summary), (new_frame, new_summary) = map(_pooled, runs.values())
     perf, ratio = perf_verdict(base_frame, new_frame, max_regression=opts.max_regression,
                                seed=opts.seed)

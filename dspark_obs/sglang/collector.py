@@ -22,7 +22,8 @@ Why each rule:
   it). One record of the wrong types is left out and named; the rest of the poll is stored.
 * Estimator lines wait for their step (never dropped); a request-step waits for its line until
   the file has passed its forward_ct or ``hold_s``; a line whose step was already stored
-  without it (late) is kept in ``<state>/<run>.estimator-late.jsonl`` and counted.
+  without it (late) is stored as an amendment (the ``req_step_amends`` table), which the
+  ``req_steps`` view merges into the stored row, and counted.
 * Epochs, marks and held lines persist in ``<store>/.collector/<run>.json`` after every
   write, so a restarted collector resumes without re-reading into a collision.
 * Fleets: :class:`Collector` polls many servers concurrently (a bounded pool), each with its
@@ -43,8 +44,8 @@ from typing import Any
 import pyarrow as pa
 
 from dspark_obs.fanout import FanOut, RecordSink
+from dspark_obs.sglang.fetch import CollectError
 from dspark_obs.sglang.server_collector import (
-    CollectError,
     CollectorOptions,
     CollectorTotals,
     PollReport,

@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dspark_obs.fanout import FanOut, RecordSink
+from dspark_obs.serving.bench_records import bench_records, server_meta
+from dspark_obs.serving.bench_stats import request_frame, summarize
 from dspark_obs.serving.client import GenerationRequest, RequestResult, ServingClient
 from dspark_obs.serving.loadgen import run_load
-from dspark_obs.serving.records import bench_records, server_meta
-from dspark_obs.serving.stats import request_frame, summarize
 
 __all__ = ["DriveTarget", "drive"]
 

@@ -29,10 +29,10 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from dspark_obs.engine.costs import CostTable
+from dspark_obs.cost_table import CostTable
 from dspark_obs.engine.loop import Engine, EngineConfig
+from dspark_obs.engine.session import Models
 from dspark_obs.schema import MODES
 from dspark_obs.sglang.codec import ByteCodec, Codec, TokenizerCodec
 from dspark_obs.sglang.http_limits import HttpLimits
@@ -42,10 +42,12 @@ from dspark_obs.sglang.service import EngineService, ServiceConfig
 __all__ = [
     "EngineServer",
     "HttpLimits",
+    "ServerError",
     "ServerOptions",
     "build_service",
     "resolve_components",
     "resolve_mode",
+    "server_limits",
 ]
 
 LISTEN_BACKLOG = 1024
@@ -92,8 +94,6 @@ class ServerOptions:
     cost_table: Path | None = None
     sts: Path | None = None
     drafter: Path | None = None
-    tiny: bool = False
-    seed: int = 0
     device: str = "cpu"
     dump: str | None = None
     max_records: int = MAX_RECORDS
@@ -105,25 +105,13 @@ class ServerOptions:
     max_body_bytes: int | None = None  # None: derived from the context (HttpLimits)
 
 
-def tiny_models(seed: int = 0, gamma_max: int = 7) -> Any:
-    """A tiny random target + drafter over the 128-id byte vocabulary (fast, for tests)."""
-    import torch
-
-    from dspark_obs.engine.drafter import Drafter, DrafterConfig
-    from dspark_obs.engine.model import ModelConfig, Target
-    from dspark_obs.engine.session import Models
-
-    torch.manual_seed(seed)
-    target = Target(ModelConfig.tiny(vocab_size=ByteCodec.vocab_size, max_position=1024)).eval()
-    dcfg = DrafterConfig.for_target(
-        target, num_layers=1, markov_rank=4, gamma_max=gamma_max, context_window=64
-    )
-    drafter = Drafter(dcfg, target).eval()
-    return Models(target, drafter, None, (), "tiny-random", "tiny-random-drafter")
-
-
-def build_service(opts: ServerOptions, env: Mapping[str, str] = os.environ) -> EngineService:
-    """Load the models and the engine the options describe (errors before any socket)."""
+def build_service(
+    opts: ServerOptions, env: Mapping[str, str] = os.environ, models: Models | None = None
+) -> EngineService:
+    """The engine the options describe, around ``models`` when given (``--tiny``: a random
+    model without a tokenizer, served through the byte codec, from
+    :func:`dspark_obs.testing.tiny_models.byte_models`), else around the models loaded from
+    ``opts.drafter``; errors before any socket."""
     from dspark_obs.engine.session import load_cost_table, load_models
 
     mode = resolve_mode(opts.mode, env)
@@ -142,11 +130,10 @@ def build_service(opts: ServerOptions, env: Mapping[str, str] = os.environ) -> E
         est = Path(env["SGLANG_DSPARK_BLOCK_ACCEPT_ESTIMATE_PATH"])
     if opts.max_records < 1:
         raise ServerError(f"--max-records must be >= 1, got {opts.max_records}")
-    if opts.tiny:
-        models = tiny_models(opts.seed, gamma_max=max(opts.gamma, 5))
+    if models is not None:
         if opts.sts is not None:
             models.drafter.set_sts(opts.sts)
-        codec: Codec = ByteCodec()
+        codec: Codec = ByteCodec() if models.tokenizer is None else TokenizerCodec(models.tokenizer)
         table = CostTable.load(opts.cost_table) if opts.cost_table else None
     else:
         models = load_models(opts.drafter, device=opts.device, sts=opts.sts)
@@ -257,13 +244,6 @@ class EngineServer:
             self._thread.join(GRACEFUL_SHUTDOWN_S + 10)
         self._socket.close()
         self.service.close()
-
-
-def serve(opts: ServerOptions) -> None:
-    """Build and serve until interrupted (the CLI entry)."""
-    svc = build_service(opts)
-    server = EngineServer(svc, opts.host, opts.port, server_limits(svc, opts))
-    server.serve_forever()
 
 
 def server_limits(service: EngineService, opts: ServerOptions) -> HttpLimits:

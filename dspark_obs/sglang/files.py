@@ -1,7 +1,8 @@
 """SGLang's DSpark files that are not HTTP: the SPS profiler's per-step records.
 
-(STS JSON and shards live in :mod:`dspark_obs.analytics.sts`, cost tables in
-:mod:`dspark_obs.engine.costs`; both read and write SGLang's formats.)
+(the STS JSON lives in :mod:`dspark_obs.sts_file`, STS shards in
+:mod:`dspark_obs.analytics.sts_shards`, cost tables in :mod:`dspark_obs.cost_table`; all read
+and write SGLang's formats.)
 
 ``python -m sglang.benchmark.dspark_sps_profiler run --out table.json`` writes, next to the
 table, ``table.records.jsonl``: one line per profiled decode step, ``{"repeat",
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import msgspec
 import pyarrow as pa
 
-from dspark_obs.schema import to_table
+from dspark_obs.validation import to_table
 
 __all__ = ["SpsRecordError", "read_sps_records"]
 

@@ -235,7 +235,14 @@ def _gen_request(
         ignore_eos=bool(sp.ignore_eos),
         stop_token_ids=tuple(sp.stop_token_ids or ()),
         min_new_tokens=int(sp.min_new_tokens or 0),
+        frequency_penalty=_or(sp.frequency_penalty, 0.0),  # SGLang's defaults: no penalty
+        presence_penalty=_or(sp.presence_penalty, 0.0),
+        repetition_penalty=_or(sp.repetition_penalty, 1.0),
     )
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else float(value)
 
 
 async def wait_done(group: Group, request: Request) -> None:

@@ -5,8 +5,9 @@ Written from the field lists of SGLang's ``SamplingParams``, ``GenerateReqInput`
 not a number, no NaN/infinity, integers bounded), and every key is one of three kinds:
 
 * implemented here (``max_new_tokens``, ``stop``, ``stop_token_ids``, ``min_new_tokens``,
-  ``n``, ``temperature`` ...);
-* known to SGLang but not to this engine (grammars, penalties, logprobs, LoRA ...): accepted
+  ``n``, ``temperature``, the frequency / presence / repetition penalties ...; the engine's
+  ``check`` refuses out-of-range values with the parameter's name);
+* known to SGLang but not to this engine (grammars, min-p, logprobs, LoRA ...): accepted
   at SGLang's default value, refused with the parameter's name otherwise;
 * unknown: refused with its name.
 
@@ -73,9 +74,6 @@ class _Strict(BaseModel):
 _SAMPLING_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "stop_regex": (None, [], ""),
     "min_p": (0.0, None),
-    "frequency_penalty": (0.0, None),
-    "presence_penalty": (0.0, None),
-    "repetition_penalty": (1.0, None),
     "beam_width": (None, 1),
     "json_schema": (None, ""),
     "regex": (None, ""),
@@ -104,12 +102,12 @@ class SamplingParams(_Strict):
     ignore_eos: bool | None = None
     no_stop_trim: bool | None = None
     sampling_seed: Seed | None = None
-    # known to SGLang, not implemented by this engine: default values only
-    stop_regex: str | list[str] | None = None
-    min_p: float | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
+    # known to SGLang, not implemented by this engine: default values only
+    stop_regex: str | list[str] | None = None
+    min_p: float | None = None
     beam_width: Int32 | None = None
     json_schema: str | None = None
     regex: str | None = None
@@ -232,9 +230,6 @@ class StreamOptions(_Strict):
 
 
 _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (0.0, None),
-    "presence_penalty": (0.0, None),
-    "repetition_penalty": (1.0, None),
     "min_p": (0.0, None),
     "logit_bias": (None, {}),
     "logprobs": (False, None),
@@ -281,10 +276,10 @@ class ChatRequest(_Strict):
     parallel_tool_calls: bool = True
     separate_reasoning: bool = True
     stream_reasoning: bool = True
-    # known to SGLang, not implemented by this engine: default values only
     frequency_penalty: float | None = 0.0
     presence_penalty: float | None = 0.0
     repetition_penalty: float | None = None
+    # known to SGLang, not implemented by this engine: default values only
     min_p: float | None = None
     logit_bias: dict[str, float] | None = None
     logprobs: bool | None = False
@@ -323,6 +318,9 @@ class ChatRequest(_Strict):
             ignore_eos=self.ignore_eos,
             no_stop_trim=self.no_stop_trim,
             sampling_seed=self.seed,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
         )
 
 

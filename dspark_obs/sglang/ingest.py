@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from dspark_obs.fanout import FanOut
 from dspark_obs.schema import MODES
@@ -163,13 +164,11 @@ def ingest_dump(
             out.errors += [f"internal_states[{dp_rank}].{e}" for e in tables.errors]
             steps, reqs = tables.steps, tables.req_steps
             if known:
-                keep_s = [(dp_rank, f) not in known for f in steps["forward_ct"].to_pylist()]
-                keep_r = [(dp_rank, f) not in known for f in reqs["forward_ct"].to_pylist()]
-                out.already_stored += keep_s.count(False)
-                steps, reqs = (
-                    steps.filter(pa.array(keep_s, pa.bool_())),
-                    reqs.filter(pa.array(keep_r, pa.bool_())),
-                )
+                seen = pa.array([f for d, f in known if d == dp_rank], pa.int64())
+                keep_s = pc.invert(pc.is_in(steps["forward_ct"], value_set=seen))
+                keep_r = pc.invert(pc.is_in(reqs["forward_ct"], value_set=seen))
+                out.already_stored += steps.num_rows - (pc.sum(keep_s).as_py() or 0)
+                steps, reqs = steps.filter(keep_s), reqs.filter(keep_r)
             out.steps += fan.emit("steps", steps).num_rows
             out.req_steps += fan.emit("req_steps", reqs).num_rows
     out.rejected = len(fan.errors) - before

@@ -2,19 +2,27 @@
 
 The two record types follow SGLang's field rules: the same names and types, fields at their
 default are left out of the JSON (``omit_defaults``), ``forward_ct`` and the ReqDetail ints
-and ``draft_tokens`` are required. ``tests/test_sglang_schema.py`` checks these definitions
+and ``draft_tokens`` are required. ``tests/test_sglang_formats.py`` checks these definitions
 against the class definitions in the sglang wheel (read with ``ast``, never imported).
+
+One encoder and one decoder: :func:`step_record` renders step and req-step rows as a
+DecodeStepRecord (the engine server's ring, tests), :func:`records_to_tables` reads records
+back into rows (collector, ``ingest-dump``); :func:`decode_server_info` reads the body around
+them.
 
 Reading is the hot path (a full ring buffer is 200,000 steps; at batch 64 with ``reqs`` that
 is 12.8 million request rows, about 4 GB of JSON): :func:`decode_server_info` scans the body
 once with msgspec and keeps each step record as an undecoded slice (``msgspec.Raw``);
 :func:`records_to_tables` turns slices, a chunk at a time, into Arrow tables of the store's
 ``steps`` and ``req_steps`` schemas with Arrow's JSON reader (chunks in parallel), so no
-Python object is ever built per row.
+Python object is ever built per row. Typing stays SGLang's: a record Arrow cannot read, or
+one missing what SGLang requires, sends its chunk down a slow path where SGLang's types name
+each bad record and the others are kept.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
@@ -45,6 +53,7 @@ __all__ = [
     "ServerInfo",
     "decode_server_info",
     "records_to_tables",
+    "step_record",
 ]
 
 MAX_RECORDS = 200_000
@@ -165,6 +174,54 @@ def fingerprint(value: Any) -> str:
     return msgspec.json.encode(value, order="sorted").decode()
 
 
+def _round4(values: Sequence[float] | None) -> list[float] | None:
+    return None if values is None else [round(float(v), 4) for v in values]
+
+
+def _opt_float(v: Any, digits: int | None = None) -> float | None:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return None
+    return round(float(v), digits) if digits is not None else float(v)
+
+
+def step_record(
+    step: Mapping[str, Any], reqs: Sequence[Mapping[str, Any]], components: frozenset[str]
+) -> DecodeStepRecord:
+    """A step row and its req-step rows (the store's names) as SGLang's DecodeStepRecord, with
+    the enabled dump ``components`` only: the one encoder of the step dump (the engine server's
+    ring; tests render rows with it). Confidence and survival are rounded to 4 decimals, as
+    SGLang rounds them; :func:`records_to_tables` is the decoder."""
+    rec = DecodeStepRecord(forward_ct=int(step["forward_ct"]))
+    if "core" in components:
+        rec.bs = int(step["bs"])
+        rec.mode = str(step["mode"])
+        rec.budget = int(step["budget"])
+        rec.lag_steps = int(step["lag_steps"])
+        rec.num_running_reqs = int(step["num_running_reqs"])
+        rec.num_verify_tokens = int(step["num_verify_tokens"])
+        rec.verify_tokens_local = int(step["verify_tokens_local"])
+        rec.predicted_step_ms = _opt_float(step.get("predicted_step_ms"))
+        rec.predicted_theta = _opt_float(step.get("predicted_theta"))
+    if "step_cpu_time" in components and step.get("step_cpu_ms") is not None:
+        rec.step_cpu_ms = round(float(step["step_cpu_ms"]), 4)
+    if "draft_gpu_time" in components:
+        rec.draft_gpu_ms = _opt_float(step.get("draft_gpu_ms"), 4)
+    if "target_verify_gpu_time" in components:
+        rec.target_verify_gpu_ms = _opt_float(step.get("target_verify_gpu_ms"), 4)
+    if "reqs" in components:
+        rec.reqs = [
+            ReqDetail(
+                **{f: int(r[f]) for f in SGLANG_REQ_INT_FIELDS},
+                draft_tokens=[int(t) for t in r["draft_tokens"]],
+                rid=r["rid"],
+                confidence=_round4(r.get("confidence")),
+                survival=_round4(r.get("survival")),
+            )
+            for r in reqs
+        ]
+    return rec
+
+
 _DECODER = msgspec.json.Decoder(ServerInfo)
 
 
@@ -238,10 +295,11 @@ def records_to_tables(
     in record order; at most ``workers + 1`` chunks are in memory.
     """
     starts = range(0, len(records), chunk)
+    labels = _Labels(run_id, dp_rank, gamma, mode, fct_offset, workloads)
 
     def parse(start: int) -> Tables:
         part = list(records[start : start + chunk])
-        return _chunk_tables(part, start, run_id, dp_rank, gamma, mode, fct_offset, workloads)
+        return _chunk_tables(part, start, labels)
 
     n_workers = max(1, min(workers or os.cpu_count() or 1, len(starts)))
     if n_workers == 1:
@@ -257,41 +315,75 @@ def records_to_tables(
             yield pending.popleft().result()
 
 
-def _chunk_tables(
-    part: list[msgspec.Raw | bytes],
-    start: int,
-    run_id: str,
-    dp_rank: int,
-    gamma: int,
-    mode: str | None,
-    fct_offset: int,
-    workloads: Mapping[str, str] | None,
-) -> Tables:
+@dataclass(frozen=True)
+class _Labels:
+    """What every row of one rank's records is labelled with (see records_to_tables)."""
+
+    run_id: str
+    dp_rank: int
+    gamma: int
+    mode: str | None
+    fct_offset: int
+    workloads: Mapping[str, str] | None
+
+
+def _chunk_tables(part: list[msgspec.Raw | bytes], start: int, labels: _Labels) -> Tables:
     """One chunk's tables; a bad record is found (the slow path), named and left out."""
     errors: list[str] = []
     raw = _read_chunk(part)
     if raw is None:
-        good = []
-        for i, r in enumerate(part):
-            try:
-                msgspec.json.decode(bytes(r), type=DecodeStepRecord)
-            except msgspec.DecodeError as err:
-                errors.append(f"records[{start + i}]: {err}")
-            else:
-                good.append(r)
-        raw = (
-            _read_chunk(good)
-            if good
-            else pa.table({f.name: pa.array([], f.type) for f in _RECORD_SCHEMA}, _RECORD_SCHEMA)
-        )
-        if raw is None:
-            errors.append(f"records[{start}:{start + len(part)}]: unreadable chunk")
-            raw = pa.table({f.name: pa.array([], f.type) for f in _RECORD_SCHEMA}, _RECORD_SCHEMA)
-    return Tables(*_tables(raw, run_id, dp_rank, gamma, mode, fct_offset, workloads), errors)
+        raw = _read_good_records(part, start, errors)
+    return Tables(*_tables(raw, labels), errors)
+
+
+def _read_good_records(
+    part: Sequence[msgspec.Raw | bytes], start: int, errors: list[str]
+) -> pa.Table:
+    """The slow path of a chunk with a bad record: SGLang's own types name what is wrong with
+    each record; a record they accept that Arrow still cannot hold (an int past int64) is read
+    alone and named too. Every good record of the chunk is kept."""
+    good: list[int] = []
+    for i, r in enumerate(part):
+        try:
+            msgspec.json.decode(r, type=DecodeStepRecord)
+        except msgspec.DecodeError as err:
+            errors.append(f"records[{start + i}]: {err}")
+        else:
+            good.append(i)
+    whole = _read_chunk([part[i] for i in good]) if good else _empty_records()
+    if whole is not None:
+        return whole
+    tables = []
+    for i in good:
+        one = _read_chunk([part[i]])
+        if one is None:
+            errors.append(
+                f"records[{start + i}]: a value outside the store's types (an int past int64?)"
+            )
+        else:
+            tables.append(one)
+    return pa.concat_tables(tables) if tables else _empty_records()
+
+
+def _empty_records() -> pa.Table:
+    return _RECORD_SCHEMA.empty_table()
+
+
+# ReqDetail fields SGLang requires (no default): Arrow reads a missing one, or a JSON null, as
+# null, so a null here sends the chunk down the slow path where SGLang's types name it.
+_REQUIRED_REQ_FIELDS = (*SGLANG_REQ_INT_FIELDS, "draft_tokens")
+_LIST_REQ_FIELDS = ("draft_tokens", "confidence", "survival")
 
 
 def _read_chunk(part: Sequence[msgspec.Raw | bytes]) -> pa.Table | None:
-    """Arrow's JSON reader over one chunk of records; None if any record does not parse."""
+    """Arrow's JSON reader over one chunk of records; None if any record does not parse, or
+    leaves out (or nulls) what SGLang's types require.
+
+    Arrow refuses a string, bool or fraction where the schema says int and a string where it
+    says float; it does not enforce required fields or non-null list items, checked here on
+    the columns. One tolerance remains: an explicit ``null`` for a step field that SGLang gives a
+    non-null default (``bs``, ``mode``, ``num_running_reqs``...) reads as absent (-1 / the
+    dump's mode), as SGLang itself never writes null there (it leaves defaults out)."""
     text = b"\n".join(part)
     for opts in (_PARSE, _PARSE_NL):  # compact JSON has no raw newline in a record; pretty may
         try:
@@ -299,19 +391,36 @@ def _read_chunk(part: Sequence[msgspec.Raw | bytes]) -> pa.Table | None:
         except (pa.ArrowInvalid, pa.ArrowTypeError):
             continue
         if raw.num_rows == len(part) and not raw.column("forward_ct").null_count:
-            return raw
+            return raw if _required_present(raw) else None
     return None
 
 
-def _tables(
-    raw: pa.Table,
-    run_id: str,
-    dp_rank: int,
-    gamma: int,
-    mode: str | None,
-    fct_offset: int,
-    workloads: Mapping[str, str] | None,
-) -> tuple[pa.Table, pa.Table]:
+def _required_present(raw: pa.Table) -> bool:
+    reqs = raw.column("reqs")
+    if not reqs.null_count and not any(len(c) for c in reqs.chunks):
+        return True
+    flat = pc.list_flatten(reqs)
+    if flat.null_count:
+        return False
+    for chunk in flat.chunks:
+        if any(chunk.field(f).null_count for f in _REQUIRED_REQ_FIELDS):
+            return False
+        if any(pc.list_flatten(chunk.field(f)).null_count for f in _LIST_REQ_FIELDS):
+            return False
+    return True
+
+
+def _tables(raw: pa.Table, labels: _Labels) -> tuple[pa.Table, pa.Table]:
+    """The parsed records as the store's two tables, column by column (no copy of the reqs
+    column: it is most of the data, so it is flattened chunk by chunk as Arrow read it)."""
+    run_id, dp_rank, gamma, mode, fct_offset, workloads = (
+        labels.run_id,
+        labels.dp_rank,
+        labels.gamma,
+        labels.mode,
+        labels.fct_offset,
+        labels.workloads,
+    )
     n = raw.num_rows
     fct = pc.add(raw.column("forward_ct"), fct_offset) if fct_offset else raw.column("forward_ct")
     rec_mode = pc.if_else(pc.equal(raw.column("mode"), ""), None, raw.column("mode"))
@@ -328,35 +437,39 @@ def _tables(
         cols[f] = pc.fill_null(raw.column(f), -1)
     for f in SGLANG_STEP_FLOAT_FIELDS:
         cols[f] = raw.column(f)
-    steps = pa.table({f.name: cols.get(f.name, pa.nulls(n, f.type)) for f in STEPS}, STEPS)
+    steps = _table(STEPS, cols, n)
 
-    reqs = raw.column("reqs").combine_chunks()
-    lengths = pc.fill_null(pc.list_value_length(reqs), 0).to_numpy(zero_copy_only=False)
+    reqs = raw.column("reqs")
+    lengths = pc.fill_null(pc.list_value_length(reqs), 0).to_numpy()
     flat = pc.list_flatten(reqs)
     m = len(flat)
-    parent = np.repeat(np.arange(n), lengths)
-    rfct = pc.take(fct, pa.array(parent)) if m else pa.array([], pa.int64())
-    rid = flat.field("rid") if m else pa.array([], pa.string())
-    if m and rid.null_count:  # SGLang leaves rid out when it has none: key by pool slot
-        pool = pc.cast(flat.field("req_pool_index"), pa.string())
-        rid = pc.fill_null(rid, pc.binary_join_element_wise("pool", pool, ""))
-    rcols: dict[str, pa.Array | pa.ChunkedArray] = {
-        "run_id": _repeat(run_id, m),
-        "dp_rank": pa.array(np.full(m, dp_rank, dtype=np.int32)),
-        "forward_ct": rfct,
-        "rid": rid,
-        "gamma": pa.array(np.full(m, gamma, dtype=np.int32)),
-    }
-    for f in (*SGLANG_REQ_INT_FIELDS, "draft_tokens", "confidence", "survival"):
-        rcols[f] = flat.field(f) if m else pa.array([], REQ_STEPS.field(f).type)
-    if workloads and m:
-        keys = pa.array(list(workloads), pa.string())
-        values = pa.array(list(workloads.values()), pa.string())
-        rcols["workload"] = pc.take(values, pc.index_in(rid, value_set=keys))
-    req_steps = pa.table(
-        {f.name: rcols.get(f.name, pa.nulls(m, f.type)) for f in REQ_STEPS}, REQ_STEPS
+    rcols: dict[str, pa.Array | pa.ChunkedArray] = {}
+    if m:
+        rid = pc.struct_field(flat, "rid")
+        if rid.null_count:  # SGLang leaves rid out when it has none: key by pool slot
+            pool = pc.cast(pc.struct_field(flat, "req_pool_index"), pa.string())
+            rid = pc.fill_null(rid, pc.binary_join_element_wise("pool", pool, ""))
+        rcols = {
+            "run_id": _repeat(run_id, m),
+            "dp_rank": pa.array(np.full(m, dp_rank, dtype=np.int32)),
+            "forward_ct": pa.array(np.repeat(fct.to_numpy(), lengths)),
+            "rid": rid,
+            "gamma": pa.array(np.full(m, gamma, dtype=np.int32)),
+        }
+        for f in (*SGLANG_REQ_INT_FIELDS, *_LIST_REQ_FIELDS):
+            rcols[f] = pc.struct_field(flat, f)
+        if workloads:
+            keys = pa.array(list(workloads), pa.string())
+            values = pa.array(list(workloads.values()), pa.string())
+            rcols["workload"] = pc.take(values, pc.index_in(rid, value_set=keys))
+    return steps, _table(REQ_STEPS, rcols, m)
+
+
+def _table(schema: pa.Schema, cols: Mapping[str, pa.Array | pa.ChunkedArray], n: int) -> pa.Table:
+    """A table of ``schema``: the columns given, nulls for the others."""
+    return pa.table(
+        {f.name: cols[f.name] if f.name in cols else pa.nulls(n, f.type) for f in schema}, schema
     )
-    return steps, req_steps
 
 
 def _repeat(value: str, n: int) -> pa.Array:

@@ -6,14 +6,11 @@ polls many of these.
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +19,7 @@ import pyarrow as pa
 
 from dspark_obs.fanout import FanOut
 from dspark_obs.sglang.estimator_merge import EstimatorMerge
+from dspark_obs.sglang.fetch import CollectError, fetch
 from dspark_obs.sglang.ingest import run_row
 from dspark_obs.sglang.ranks import (
     Gap,
@@ -42,17 +40,13 @@ from dspark_obs.sglang.records import (
 )
 
 __all__ = [
-    "CollectError",
     "CollectorOptions",
     "CollectorTotals",
+    "PollCounts",
     "PollReport",
     "ServerCollector",
     "state_name",
 ]
-
-
-class CollectError(RuntimeError):
-    """A poll failed (server down, timeout, bad body); retried by :meth:`Collector.run`."""
 
 
 @dataclass(frozen=True)
@@ -76,18 +70,29 @@ class CollectorOptions:
 
 
 @dataclass
-class PollReport:
-    """What one poll did (rows are rows newly stored)."""
+class PollCounts:
+    """What polls add up (rows are rows newly stored): a report holds one poll's, the
+    totals every poll's, so no count is kept in two places."""
 
     steps: int = 0
     req_steps: int = 0
     rejected: int = 0
     bad_records: int = 0
     restarts: int = 0
-    gaps: list[Gap] = field(default_factory=list)
     estimator_lines: int = 0
     estimator_errors: int = 0
     late_lines: int = 0
+
+    def add(self, other: PollCounts) -> None:
+        for f in fields(PollCounts):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+@dataclass
+class PollReport(PollCounts):
+    """What one poll did."""
+
+    gaps: list[Gap] = field(default_factory=list)
     held: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -97,19 +102,13 @@ class PollReport:
 
 
 @dataclass
-class CollectorTotals:
+class CollectorTotals(PollCounts):
+    """Every poll's counts, and what only the whole collection has."""
+
     polls: int = 0
     failed_polls: int = 0
-    steps: int = 0
-    req_steps: int = 0
-    rejected: int = 0
-    bad_records: int = 0
-    restarts: int = 0
     lost_ranges: int = 0
     lost_forward_cts: int = 0
-    estimator_lines: int = 0
-    estimator_errors: int = 0
-    late_lines: int = 0
     restart_notes: list[str] = field(default_factory=list)
     last_error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
@@ -137,17 +136,10 @@ class ServerCollector:
         self.run_written = False
         self.totals = CollectorTotals()
         self.gaps: list[Gap] = []
-        late = (
-            None
-            if opts.state_dir is None
-            else opts.state_dir / f"{state_name(opts.run_id)}.estimator-late.jsonl"
-        )
         self.estimator = (
             None
             if opts.estimator_path is None
-            else EstimatorMerge(
-                opts.estimator_path, opts.run_id, hold_s=opts.hold_s, late_path=late, clock=clock
-            )
+            else EstimatorMerge(opts.estimator_path, opts.run_id, hold_s=opts.hold_s, clock=clock)
         )
         self._reported: set[str] = set()  # bad records already named
         self._cleared = False
@@ -201,33 +193,11 @@ class ServerCollector:
     # ------------------------------------------------------------------ HTTP
 
     def _request(self, path: str, deadline: float, body: Any = None) -> bytes:
-        """One request, every byte of it before ``deadline`` (monotonic)."""
+        """One request to the server, every byte of it before ``deadline`` (monotonic)."""
         url = self.opts.url.rstrip("/") + path
-        remaining = deadline - self.clock()
-        if remaining <= 0:
-            raise CollectError(f"{url}: poll deadline ({self.opts.timeout_s:g} s) passed")
-        req = (
-            urllib.request.Request(url)
-            if body is None
-            else urllib.request.Request(
-                url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-            )
+        return fetch(
+            url, deadline=deadline, clock=self.clock, timeout_s=self.opts.timeout_s, body=body
         )
-        try:
-            with urllib.request.urlopen(req, timeout=min(remaining, self.opts.timeout_s)) as resp:
-                parts = []
-                while chunk := resp.read1(1 << 20):
-                    parts.append(chunk)
-                    if self.clock() > deadline:
-                        raise CollectError(
-                            f"{url}: body not complete within the poll deadline "
-                            f"({self.opts.timeout_s:g} s)"
-                        )
-                return b"".join(parts)
-        except CollectError:
-            raise
-        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as exc:
-            raise CollectError(f"{url}: {type(exc).__name__}: {exc}") from None
 
     # ------------------------------------------------------------------ poll
 
@@ -236,10 +206,26 @@ class ServerCollector:
 
         The whole poll ends by ``timeout_s`` from now, or by ``until`` (monotonic) if sooner.
         """
+        rep = PollReport()
+        try:
+            self._poll(rep, final, until)
+        finally:  # a poll that fails after storing rows still counts them and their gaps
+            self._account(rep)
+        self.totals.polls += 1
+        return rep
+
+    def _account(self, rep: PollReport) -> None:
+        t = self.totals
+        t.add(rep)
+        t.lost_ranges += len(rep.gaps)
+        t.lost_forward_cts += sum(g.size for g in rep.gaps)
+        self.gaps += rep.gaps
+        rep.notes += [str(g) for g in rep.gaps]
+
+    def _poll(self, rep: PollReport, final: bool, until: float | None) -> None:
         deadline = self.clock() + self.opts.timeout_s
         if until is not None:
             deadline = min(deadline, until)
-        rep = PollReport()
         body = self._request("/server_info", deadline)
         try:
             info = decode_server_info(body)
@@ -273,17 +259,6 @@ class ServerCollector:
             self._clear(deadline, rep)
         if self.opts.scrape_metrics:
             self._scrape(deadline, rep)
-        t = self.totals
-        t.polls += 1
-        t.restarts += rep.restarts
-        t.lost_ranges += len(rep.gaps)
-        t.lost_forward_cts += sum(g.size for g in rep.gaps)
-        t.estimator_lines += rep.estimator_lines
-        t.estimator_errors += rep.estimator_errors
-        t.late_lines += rep.late_lines
-        self.gaps += rep.gaps
-        rep.notes += [str(g) for g in rep.gaps]
-        return rep
 
     def _check_identity(self, info: ServerInfo, rep: PollReport) -> None:
         """A changed startup_time / version is a new server process: every rank restarts."""
@@ -413,7 +388,6 @@ class ServerCollector:
                 continue
             self._reported.add(key)
             rep.bad_records += 1
-            self.totals.bad_records += 1
             if rep.bad_records <= 5:
                 rep.notes.append(f"dp{dp_rank}: left out a bad record: {e}")
 
@@ -442,15 +416,12 @@ class ServerCollector:
         kept = self.fan.emit(table, batch)
         rejected = len(self.fan.errors) - before
         rep.rejected += rejected
-        self.totals.rejected += rejected
         for err in self.fan.errors[before : before + 5]:
             rep.notes.append(f"rejected {err}")
         if table == "steps":
             rep.steps += kept.num_rows
-            self.totals.steps += kept.num_rows
         elif table == "req_steps":
             rep.req_steps += kept.num_rows
-            self.totals.req_steps += kept.num_rows
 
     # ------------------------------------------------------------------ estimator merge
 
@@ -482,12 +453,22 @@ class ServerCollector:
         # the lowest mark: a line belongs to one (unknown) rank, and is late only once every
         # rank's stored steps have passed it
         hwm = min((st.hwm for st in self.ranks.values() if st.hwm >= 0), default=-1)
-        late = self.estimator.keep_late(hwm)
-        if late:
-            rep.late_lines += late
+        newest = {dp: st.last_newest for dp, st in self.ranks.items()}
+        late = self.estimator.late(hwm, newest)
+        if late.amends.num_rows:
+            # durable before the lines are forgotten: a kill -9 in between writes them again,
+            # and the store drops the second copy of a key
+            self._write("req_step_amends", late.amends, rep)
+            self.estimator.settle(late.keys)
+            rep.late_lines += late.amends.num_rows
             rep.notes.append(
-                f"{late} estimator line(s) arrived after their step was stored "
-                "(kept in the collector state directory, not merged)"
+                f"{late.amends.num_rows} estimator line(s) arrived after their step was "
+                "stored: stored as amendments (req_step_amends), merged by the req_steps view"
+            )
+        if late.orphans:
+            rep.notes.append(
+                f"{late.orphans} estimator line(s) match no request-step stored without one "
+                "(lost in a reported gap, or already merged): not stored"
             )
 
     # ------------------------------------------------------------------ /metrics
@@ -533,12 +514,13 @@ class ServerCollector:
     def close(self) -> PollReport:
         """Write everything still held (estimator lines that never came)."""
         rep = PollReport()
-        self._read_estimator(rep)
-        self._release_held(rep, final=True)
-        self._keep_late(rep)
-        self._save_state()
-        self.totals.estimator_lines += rep.estimator_lines
-        self.totals.late_lines += rep.late_lines
+        try:
+            self._read_estimator(rep)
+            self._release_held(rep, final=True)
+            self._keep_late(rep)
+            self._save_state()
+        finally:
+            self._account(rep)
         return rep
 
 

@@ -1,28 +1,30 @@
-"""Live telemetry sinks (RecordSinks fed by the same FanOut as the store).
+"""Live telemetry sinks: RecordSinks fed by the same FanOut as the store.
 
-* :class:`PrometheusSink` - counters and histograms of :mod:`dspark_obs.sinks.catalog`;
+* :class:`PrometheusSink` - counters and histograms of :mod:`dspark_obs.sinks.catalog`
+  (:data:`METRICS`, one declaration per metric, read by Grafana's build and the rules);
 * :class:`OtelSink` - GenAI latency histograms, the same counters, one span per request;
 * :func:`telemetry_sinks` - both for an in-process run (serving /metrics on a port);
-* :mod:`dspark_obs.sinks.serve` - ``dspark-obs serve``: follow a store or replay a run.
+* :class:`StoreFollower` / :func:`replay` - ``dspark-obs serve``: follow a store or replay a run;
+* :class:`Aggregator` - the running totals every sink renders (:mod:`.stats`).
 
-Sinks never import the engine; imports are lazy so reading the catalog stays cheap.
+Sinks never import the engine (tests/test_house.py checks it).
 """
 
-from __future__ import annotations
+from dspark_obs.sinks.catalog import METRICS, Metric
+from dspark_obs.sinks.otel import OtelSink
+from dspark_obs.sinks.prometheus import PrometheusSink
+from dspark_obs.sinks.serve import MetricsServer, StoreFollower, replay, telemetry_sinks
+from dspark_obs.sinks.stats import Aggregator, Totals
 
-import importlib
-from typing import Any
-
-__all__ = ["OtelSink", "PrometheusSink", "telemetry_sinks"]
-
-_HOME = {
-    "OtelSink": "dspark_obs.sinks.otel",
-    "PrometheusSink": "dspark_obs.sinks.prometheus",
-    "telemetry_sinks": "dspark_obs.sinks.serve",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _HOME:
-        return getattr(importlib.import_module(_HOME[name]), name)
-    raise AttributeError(f"module 'dspark_obs.sinks' has no attribute {name!r}")
+__all__ = [
+    "METRICS",
+    "Aggregator",
+    "Metric",
+    "MetricsServer",
+    "OtelSink",
+    "PrometheusSink",
+    "StoreFollower",
+    "Totals",
+    "replay",
+    "telemetry_sinks",
+]

@@ -26,7 +26,8 @@ exposed name (with ``_total``); a histogram's name is the base of its ``_bucket`
       - sum by (position, bin) (increase(dspark_calibration_accepted_total[1h]))))
     / sum by (position) (increase(dspark_calibration_observations_total[1h]))
 
-Label sets are bounded (model, mode, workload, dp_rank, position, bin, table, reason);
+Label sets are bounded (model, mode, workload, dp_rank, position, bin, table, reason, and
+``tail``: the estimator's tail model, one of four values);
 no request id and no run id ever becomes a label. ``position`` is the draft position j = 1..gamma
 on every metric (DESIGN.md's numbering; vLLM's own per-position counter is 0-based, ours is not).
 Token histograms end in ``_tokens``, time histograms in ``_seconds``; counters in ``_total``.
@@ -41,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "BACKPRESSURE_METRICS",
     "CALIBRATION_BINS",
     "GENAI_DURATION_BUCKETS",
     "GENAI_TPOT_BUCKETS",
@@ -217,8 +219,10 @@ METRICS: tuple[Metric, ...] = (
        "Committed tokens of those blocks (numerator of estimated utilization)."),
     _c("estimator_lo_tokens", REQ_LABELS, "req_steps",
        "Sum of the estimator's lower bracket of the ceiling (SGLang's lo)."),
-    _c("estimator_point_tokens", REQ_LABELS, "req_steps",
-       "Sum of the estimator's point estimate of the ceiling."),
+    _c("estimator_point_tokens", (*REQ_LABELS, "tail"), "req_steps",
+       "Sum of the estimator's point estimate of the ceiling; tail = the tail model that "
+       "filled unresolved offsets (calibrated | confidence | empirical | none: the store's "
+       "and the report's auto selection, per run)."),
     _c("estimator_hi_tokens", REQ_LABELS, "req_steps",
        "Sum of the estimator's upper bracket of the ceiling (SGLang's hi)."),
     # --- requests
@@ -239,6 +243,22 @@ METRICS: tuple[Metric, ...] = (
     _c("records_rejected", ("table", "reason"), "errors",
        "Rows refused by schema validation, by table and reason (never reached a sink)."),
 )  # fmt: skip
+
+SINK = ("sink",)  # the sink's class name, numbered when repeated: bounded by the sinks of a run
+
+BACKPRESSURE_METRICS: tuple[Metric, ...] = (
+    # --- the sink queues of a threaded FanOut (sinks/backpressure.py's LaneCollector, which
+    # the process driving the FanOut registers beside the other metrics)
+    _c("sink_batches", SINK, "fanout", "Batches the sink acknowledged (its write returned)."),
+    _c("sink_rows", SINK, "fanout", "Rows handed to the sink's queue."),
+    _c("sink_failed_batches", SINK, "fanout",
+       "Batches never written: the sink had failed."),
+    _c("sink_blocked", SINK, "fanout", "Puts that waited on the sink's full queue."),
+    _c("sink_blocked_seconds", SINK, "fanout",
+       "Seconds the producer waited on the sink's full queue (backpressure).", "seconds"),
+)  # fmt: skip
+"""Not in :data:`METRICS`: they describe the process's sink queues, not the records, so they
+are exposed by the registry of whoever drives the FanOut, not by the record sinks."""
 
 # Previous name -> current name (one release: the README's alias table lists the same pairs).
 RENAMED: dict[str, str] = {

@@ -38,10 +38,9 @@ from collections.abc import Iterable
 
 import pandas as pd
 import pyarrow as pa
-from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
+from opentelemetry.metrics import CallbackOptions, Histogram, MeterProvider, Observation
 from opentelemetry.trace import SpanKind, TracerProvider
 
-from dspark_obs.schema import RecordError
 from dspark_obs.sinks._worker import FoldWorker
 from dspark_obs.sinks.catalog import (
     DEFAULT_MAX_GAMMA,
@@ -54,6 +53,7 @@ from dspark_obs.sinks.catalog import (
     token_buckets,
 )
 from dspark_obs.sinks.stats import Aggregator, Totals
+from dspark_obs.validation import RecordError
 
 __all__ = ["OtelSink", "otel_name", "otlp_configured"]
 
@@ -79,6 +79,19 @@ METRIC_TOKEN_USAGE = "gen_ai.client.token.usage"
 METRIC_TTFT = "gen_ai.server.time_to_first_token"
 METRIC_TPOT = "gen_ai.server.time_per_output_token"
 METRIC_REQUEST_DURATION = "gen_ai.server.request.duration"
+METRIC_ACCEPT_LENGTH = "dspark.request.accept_length"
+# The GenAI request histograms, in the order OtelSink binds them: (name, unit, description
+# as the semantic conventions word it, bucket boundaries).
+GENAI_HISTOGRAMS = (
+    (METRIC_TTFT, "s", "Time to generate first token for successful responses",
+     GENAI_TTFT_BUCKETS),
+    (METRIC_TPOT, "s", "Time per output token generated after the first token",
+     GENAI_TPOT_BUCKETS),
+    (METRIC_REQUEST_DURATION, "s", "Generative AI server request duration",
+     GENAI_DURATION_BUCKETS),
+    (METRIC_TOKEN_USAGE, "{token}", "Number of input and output tokens used",
+     GENAI_TOKEN_USAGE_BUCKETS),
+)  # fmt: skip
 OPERATION = "chat"  # every engine workload is a list of chat messages
 _PROVIDER = {"engine": "dspark-obs", "sglang": "sglang"}
 
@@ -149,27 +162,21 @@ class OtelSink:
         self._worker = FoldWorker(self.aggregator.update, background, "dspark-obs-otel")
         meter = meter_provider.get_meter("dspark_obs")
         self.tracer = tracer_provider.get_tracer("dspark_obs")
-        self._ttft = meter.create_histogram(
-            METRIC_TTFT, "s", "Time to generate first token for successful responses",
-            explicit_bucket_boundaries_advisory=GENAI_TTFT_BUCKETS,
-        )  # fmt: skip
-        self._tpot = meter.create_histogram(
-            METRIC_TPOT, "s", "Time per output token generated after the first token",
-            explicit_bucket_boundaries_advisory=GENAI_TPOT_BUCKETS,
-        )  # fmt: skip
-        self._duration = meter.create_histogram(
-            METRIC_REQUEST_DURATION, "s", "Generative AI server request duration",
-            explicit_bucket_boundaries_advisory=GENAI_DURATION_BUCKETS,
-        )  # fmt: skip
-        self._token_usage = meter.create_histogram(
-            METRIC_TOKEN_USAGE, "{token}", "Number of input and output tokens used",
-            explicit_bucket_boundaries_advisory=GENAI_TOKEN_USAGE_BUCKETS,
-        )  # fmt: skip
-        self._accept_length = meter.create_histogram(
-            "dspark.request.accept_length", "{token}",
+
+        def histogram(name: str, unit: str, description: str, buckets: tuple) -> Histogram:
+            return meter.create_histogram(
+                name, unit, description, explicit_bucket_boundaries_advisory=buckets
+            )
+
+        self._ttft, self._tpot, self._duration, self._token_usage = (
+            histogram(*spec) for spec in GENAI_HISTOGRAMS
+        )
+        self._accept_length = histogram(
+            METRIC_ACCEPT_LENGTH,
+            "{token}",
             "Per finished request: committed tokens / verify steps",
-            explicit_bucket_boundaries_advisory=token_buckets(max_gamma),
-        )  # fmt: skip
+            token_buckets(max_gamma),
+        )
         self._snapshot: tuple[float, Totals] | None = None
         for m in METRICS:
             if m.kind == "counter":

@@ -24,10 +24,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from dspark_obs.schema import RecordError
 from dspark_obs.sinks._worker import FoldWorker
 from dspark_obs.sinks.catalog import DEFAULT_MAX_GAMMA, METRICS
 from dspark_obs.sinks.stats import Aggregator, Totals
+from dspark_obs.validation import RecordError
 
 __all__ = ["PrometheusSink", "TotalsCollector", "render_totals"]
 

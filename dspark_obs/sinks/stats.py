@@ -20,13 +20,13 @@ import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dspark_obs.schema import RecordError
 from dspark_obs.sinks.catalog import (
     CALIBRATION_BINS,
     DEFAULT_MAX_GAMMA,
@@ -34,6 +34,10 @@ from dspark_obs.sinks.catalog import (
     Metric,
     token_buckets,
 )
+from dspark_obs.validation import RecordError
+
+if TYPE_CHECKING:  # imported where used: the estimator's modules are not light
+    from dspark_obs.analytics.estimator_live import RunTail
 
 __all__ = ["Aggregator", "RunInfo", "Totals", "reason_label"]
 
@@ -203,6 +207,14 @@ def _list_matrix(col: pa.ChunkedArray, width: int) -> np.ndarray:
     return out
 
 
+def _runs_in_order(finished: Sequence[tuple[str, str]]) -> list[tuple[str, list[str]]]:
+    """(run, its requests in finishing order) for each run, runs in first-seen order."""
+    out: dict[str, list[str]] = {}
+    for run, rid in finished:
+        out.setdefault(run, []).append(rid)
+    return list(out.items())
+
+
 class Aggregator:
     """Feeds record batches into :class:`Totals`; thread-safe; read with :meth:`snapshot`.
 
@@ -227,6 +239,7 @@ class Aggregator:
         self._open: dict[tuple[str, str], np.ndarray] = {}  # (run_id, rid) -> OPEN_SUMS
         self._compact_rows: list[pa.Table] = []  # req_steps of unfinished compact requests
         self._finished: list[tuple] = []  # finished requests awaiting the estimator pass
+        self._tails: dict[str, RunTail] = {}  # run_id -> its estimator tail model state
         self.finalize_interval_s = finalize_interval_s
         self._last_finalize = time.monotonic()
 
@@ -513,15 +526,18 @@ class Aggregator:
         """Block-accept estimator sums for finished compact requests; per request the mean
         ceiling per step [point, lo, hi] (NaN for other modes): [n_requests, 3].
 
-        Blocks settled inside their window are exact (lo = hi = correct + 1, point =
-        committed) and are summed here directly; only censored blocks and the rows that carry
-        their ``pg`` resolutions go through :func:`estimate_blocks`.
+        The same estimator as the store views and the report (:func:`estimate_blocks`,
+        ``tail="auto"``); each run's tail model is a :class:`RunTail` (refit at fixed points
+        of the run's request count on its finished requests' observations), and the point
+        series carries the model's name as its ``tail`` label. lo / hi (SGLang's bracket)
+        do not depend on it.
         """
         out = np.full((len(rid), 3), np.nan)
         compact = mode == "compact"
         if not (self.estimator and compact.any() and self._compact_rows):
             return out
         from dspark_obs.analytics.estimator import estimate_blocks
+        from dspark_obs.analytics.estimator_live import RunTail
 
         rows = pa.concat_tables(self._compact_rows)
         key = pc.binary_join_element_wise(rows.column("run_id"), rows.column("rid"), "\x1f")
@@ -534,36 +550,48 @@ class Aggregator:
         order = pc.sort_indices(rows, [("run_id", "ascending"), ("rid", "ascending"),
                                        ("forward_ct", "ascending")])  # fmt: skip
         rows = rows.take(order)
-        g = _np(rows.column("gamma"), 0).astype(np.int64)
-        v = _np(rows.column("verify_len"), 1).astype(np.int64) - 1
-        cd = _np(rows.column("correct_drafts"), 0).astype(np.int64)
-        acc = _np(rows.column("acc_len"), np.nan).astype(np.float64)
-        committed = np.where(np.isnan(acc), cd + 1.0, acc)
-        exact = (cd < v) | (v >= g)
-        carries_pg = _np(pc.list_value_length(rows.column("pg")), 0) > 0
-        lo, hi, point = cd + 1.0, cd + 1.0, committed.copy()
-        sub = ~exact | carries_pg
-        if sub.any():
-            blocks = estimate_blocks(
-                rows.filter(pa.array(sub)), requests=b.filter(pa.array(compact)),
-                tail="confidence", mode="compact",
-            ).blocks  # fmt: skip
-            censored = np.flatnonzero(sub)[blocks["censored"].to_numpy(dtype=bool)]
-            picked = blocks.loc[blocks["censored"].to_numpy(dtype=bool)]
-            lo[censored] = picked["lo"].to_numpy(np.float64)
-            hi[censored] = picked["hi"].to_numpy(np.float64)
-            point[censored] = picked["point"].to_numpy(np.float64)
         r_run = _text(rows.column("run_id"), "")
+        r_rid = _text(rows.column("rid"), "")
+        requests = b.filter(pa.array(compact)).to_pandas()
+        n = rows.num_rows
+        committed, lo, point, hi = (np.zeros(n) for _ in range(4))
+        tail = np.empty(n, dtype=object)
+        finished = [(a, r) for a, r in zip(run_id[compact], rid[compact], strict=True)]
+        for run, rids in _runs_in_order(finished):
+            state = self._tails.setdefault(run, RunTail())
+            for segment in state.segments(rids):
+                at = np.flatnonzero((r_run == run) & np.isin(r_rid, segment))
+                if at.size == 0:
+                    state.finished += len(segment)
+                    continue
+                part = rows.take(pa.array(at))
+                gamma = int(pc.max(part.column("gamma")).as_py())
+                est = estimate_blocks(
+                    part, requests=requests, tail="auto", mode="compact",
+                    tail_model=state.model(gamma),
+                )  # fmt: skip
+                blk = est.blocks  # sorted as the rows already are: block i is row at[i]
+                if not np.array_equal(
+                    blk["forward_ct"].to_numpy(), _np(part.column("forward_ct"), -1)
+                ):
+                    raise AssertionError(f"run {run!r}: estimator blocks out of row order")
+                for col, dst in (("committed", committed), ("lo", lo), ("point", point),
+                                 ("hi", hi)):  # fmt: skip
+                    dst[at] = blk[col].to_numpy(np.float64)
+                tail[at] = est.tail_model.name
+                state.add(est.observations, len(segment))
         model, r_mode, run_workload = self._run_labels(r_run)
         workload = _text(rows.column("workload"), "")
         workload = np.where(workload == "", run_workload, workload)
-        codes, keys = _groups([model, r_mode, workload, _np(rows.column("dp_rank"), 0)])
+        labels = [model, r_mode, workload, _np(rows.column("dp_rank"), 0)]
+        codes, keys = _groups(labels)
         t = self.totals
         t.add("dspark_estimator_blocks_total", codes, keys)
         t.add("dspark_estimator_committed_tokens_total", codes, keys, committed)
         t.add("dspark_estimator_lo_tokens_total", codes, keys, lo)
-        t.add("dspark_estimator_point_tokens_total", codes, keys, point)
         t.add("dspark_estimator_hi_tokens_total", codes, keys, hi)
+        tc, tk = _groups([*labels, tail])
+        t.add("dspark_estimator_point_tokens_total", tc, tk, point)
         # mean point ceiling per step of each finished request (for its span)
         rc, rk = _groups([r_run, _text(rows.column("rid"), "")])
         n = np.bincount(rc)

@@ -20,8 +20,8 @@ step, uses this so that segments are not tiny). One writer per (table, run) at a
 (``flock``); a second one gets a StoreError. A key (``schema.KEYS``) is stored at most once:
 rows repeated inside a batch or already stored are dropped (counted in ``Ack.duplicates``),
 so restarting a killed producer and re-sending everything duplicates nothing. ``write``
-validates (``schema.validate``) every batch that did not come straight from validate (the
-FanOut path is validated once); refused rows are in ``Ack.rejected``, the rest is stored.
+stores a ``validation.ValidatedBatch`` (from ``validation.check``) as it is and validates
+any pyarrow.Table first; refused rows are in ``Ack.rejected``, the rest is stored.
 
 Reading. ``store.connect()`` gives a fresh DuckDB connection with the views ``runs``,
 ``steps``, ``req_steps``, ``requests`` and ``workload_summary``; ``store.query(sql)`` runs
@@ -41,8 +41,10 @@ the instant of a swap can fail to open a replaced file: ``Store.query`` retries 
 duckdb shell user re-runs it. Compact finished runs, not live ones.
 """
 
+from dspark_obs.store.compaction import Compaction
 from dspark_obs.store.guard import QueryRefused
 from dspark_obs.store.layout import StoreError, StoreWarning
-from dspark_obs.store.store import Ack, Compaction, Store
+from dspark_obs.store.partition import Ack
+from dspark_obs.store.store import Store
 
 __all__ = ["Ack", "Compaction", "QueryRefused", "Store", "StoreError", "StoreWarning"]

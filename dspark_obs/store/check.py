@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote
 
+from dspark_obs._atomic import write_text_atomic
 from dspark_obs.schema import TABLES
 from dspark_obs.store import layout, segments, views
-from dspark_obs.store.store import _catalog_db_ok, _write_catalog_db
+from dspark_obs.store.catalog_files import catalog_db_ok, write_catalog_db
 
 _LEGACY_PLACEHOLDER = "_schema.parquet"
 
@@ -75,8 +76,13 @@ def repair(root: str | os.PathLike[str], findings: list[Finding]) -> list[Repair
             continue
         with _run_lock(root, f.run) as held:
             if not held:
-                done.append(Repair(f, None, "a writer holds this run; run store-check again "
-                                            "when it has finished"))
+                done.append(
+                    Repair(
+                        f,
+                        None,
+                        "a writer holds this run; run store-check again when it has finished",
+                    )
+                )
                 continue
             if f.reason == _PLAIN_RUN_DIR:
                 done.append(Repair(f, _adopt(f.path), "adopted as the run's generation"))
@@ -85,8 +91,8 @@ def repair(root: str | os.PathLike[str], findings: list[Finding]) -> list[Repair
                 done.append(Repair(f, None, "already gone"))
                 continue
             done.append(Repair(f, layout.quarantine(root, f.path, f.reason), "quarantined"))
-    layout.write_text_atomic(root / layout.CATALOG_SQL, views.catalog_sql(root))
-    _write_catalog_db(root, root / layout.CATALOG_DB)
+    write_text_atomic(root / layout.CATALOG_SQL, views.catalog_sql(root), durable=True)
+    write_catalog_db(root, root / layout.CATALOG_DB)
     done += [Repair(f, None, "rebuilt") for f in findings if f.kind == "catalog"]
     return done
 
@@ -105,7 +111,7 @@ def _inside_gen(link: Path) -> bool:
 
 def _catalog_findings(root: Path) -> Iterator[Finding]:
     db = root / layout.CATALOG_DB
-    if db.exists() and not _catalog_db_ok(db):
+    if db.exists() and not catalog_db_ok(db):
         yield Finding(db, "catalog", "does not open as a DuckDB database with every view")
     sql = root / layout.CATALOG_SQL
     try:
@@ -128,10 +134,11 @@ def _table_findings(root: Path, table: str, tdir: Path) -> list[Finding]:
         if name == layout.GEN_DIR:
             found += _gen_dir_findings(tdir / name)
         elif name == layout.PLACEHOLDER_DIR:
-            found += _files_findings(root, table, path, None, {layout.PLACEHOLDER_FILE,
-                                                         _LEGACY_PLACEHOLDER})
+            found += _files_findings(
+                root, table, path, None, {layout.PLACEHOLDER_FILE, _LEGACY_PLACEHOLDER}
+            )
         elif name.startswith("run_id="):
-            run = (table, unquote(name[len("run_id="):]))
+            run = (table, unquote(name[len("run_id=") :]))
             if not path.is_symlink() and path.is_dir():
                 found += _files_findings(root, table, path, run, set())
                 found.append(Finding(path, "foreign", _PLAIN_RUN_DIR, run))

@@ -34,11 +34,11 @@ from urllib.parse import unquote
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dspark_obs._atomic import TMP_SUFFIX, fsync_dir, tmp_path_for, write_text_atomic
 from dspark_obs.schema import MAX_RUN_DIR_BYTES, run_dir_name
 
 SEGMENT_PREFIX = "seg-"
 SEGMENT_SUFFIX = ".parquet"
-TMP_SUFFIX = ".tmp"
 GEN_DIR = ".gen"
 LOCK_DIR = ".locks"
 # quote() always encodes "+", so no run can own this directory name.
@@ -185,8 +185,11 @@ def inspect_segment(path: Path, schema: pa.Schema, deep: bool = False) -> str | 
             return f"column {f.name!r} is not in the table"
         if f.type != want[f.name].type:
             return f"column {f.name!r} is {f.type}, the table has {want[f.name].type}"
-    missing = [f.name for f in schema if not f.nullable and f.name != "run_id"
-               and f.name not in file_schema.names]
+    missing = [
+        f.name
+        for f in schema
+        if not f.nullable and f.name != "run_id" and f.name not in file_schema.names
+    ]
     if missing:
         return f"missing required column(s) {missing}"
     if deep:
@@ -212,7 +215,7 @@ def quarantine(root: Path, path: Path, reason: str) -> Path:
     os.replace(path, dest)
     fsync_dir(dest.parent)
     fsync_dir(path.parent)
-    write_text_atomic(dest.with_name(dest.name + ".why.txt"), f"{path}\n{reason}\n")
+    write_text_atomic(dest.with_name(dest.name + ".why.txt"), f"{path}\n{reason}\n", durable=True)
     return dest
 
 
@@ -255,15 +258,6 @@ def new_segment_name() -> str:
     """A unique, time-ordered segment name (ns clock, pid, random suffix)."""
     stamp = f"{time.time_ns():020d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     return f"{SEGMENT_PREFIX}{stamp}{SEGMENT_SUFFIX}"
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a directory entry change (create, rename) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def ensure_dir(path: Path) -> None:
@@ -382,27 +376,6 @@ def _encodings(schema: pa.Schema) -> tuple[list[str], list[str]]:
         elif not pa.types.is_struct(t) and f.name not in _PLAIN_COLUMNS:
             dictionary.append(f.name)
     return dictionary, split
-
-
-def write_text_atomic(dest: Path, text: str) -> None:
-    """Replace a small text file atomically (readers see the old or the new content)."""
-    tmp = tmp_path_for(dest)
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(dest.parent)
-
-
-def tmp_path_for(dest: Path) -> Path:
-    """``.<name>.<pid>-<random>.tmp`` beside ``dest``: hidden from readers' globs, and the
-    pid tells a later process whether the file's writer is gone."""
-    return dest.with_name(f".{dest.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
 
 
 def remove_stale_tmp(directory: Path, *, only_dead: bool = False) -> int:

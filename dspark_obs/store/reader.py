@@ -36,8 +36,12 @@ from dspark_obs.store import segments, views
 
 _QUOTED_PARQUET = re.compile(r'"([^"]+\.parquet)"')
 # Errors a damaged file can raise (a SQL mistake raises Binder / Parser / Catalog ... errors).
-_READ_ERRORS = (duckdb.Error, duckdb.IOException, duckdb.InvalidInputException,
-                duckdb.InternalException)
+_READ_ERRORS = (
+    duckdb.Error,
+    duckdb.IOException,
+    duckdb.InvalidInputException,
+    duckdb.InternalException,
+)
 _CONFIG = {"autoinstall_known_extensions": False, "autoload_known_extensions": False}
 
 
@@ -94,9 +98,18 @@ class Reader:
         self.skipped = tuple(s for lst in out.values() for s in lst.skipped)
         return out
 
-    def cursor(self) -> duckdb.DuckDBPyConnection:
+    def cursor(self, listed: bool = True) -> duckdb.DuckDBPyConnection:
+        """A sandboxed cursor whose views read each table's accepted segments, listed now;
+        ``listed=False``: the connection as it is, no listing (for SQL that names its own
+        files, one segment at a time)."""
+        if not listed:
+            with self._lock:
+                if self._db is None:
+                    self._db = sandboxed_views(self.root, {}, {})
+                    self._present = {}
+                return self._db.cursor()
         files = {t: list(lst.files) for t, lst in self.listings().items()}
-        present = {t: bool(f) for t, f in files.items()}
+        present = views.presence(files)
         with self._lock:
             if self._db is None or present != self._present:
                 old, self._db = self._db, sandboxed_views(self.root, present, files)

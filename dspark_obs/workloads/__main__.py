@@ -12,7 +12,14 @@ import json
 import sys
 import time
 
-from . import SPLITS, WORKLOADS, available, load_prompts, mixed_traffic, save_traffic
+from dspark_obs.workloads import (
+    SPLITS,
+    WORKLOADS,
+    available,
+    load_prompts,
+    mixed_traffic,
+    save_traffic,
+)
 
 
 def _shares(text: str) -> dict[str, float]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from .base import SPLITS, WORKLOADS, Prompt, derive_seed
+from dspark_obs.workloads.base import SPLITS, WORKLOADS, Prompt, derive_seed
 
 __all__ = ["available", "load_prompts", "pool"]
 
@@ -21,14 +21,14 @@ def pool(workload: str, split: str) -> Sequence[Prompt]:
     """Every prompt of one workload and split, in a fixed order (shared: do not mutate)."""
     _check(workload, split)
     if workload == "math":
-        from . import gsm
+        from dspark_obs.workloads import gsm
 
         return gsm.pool(split)
     if workload == "chat":
-        from . import sharegpt
+        from dspark_obs.workloads import sharegpt
 
         return sharegpt.pool(split)
-    from . import poetry
+    from dspark_obs.workloads import poetry
 
     return poetry.pool(split)
 

@@ -24,8 +24,14 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from .base import EVAL_FRACTION, Prompt, derive_seed, normalize_text, stable_hash
-from .sources import package_files
+from dspark_obs.workloads.base import (
+    EVAL_FRACTION,
+    Prompt,
+    derive_seed,
+    normalize_text,
+    stable_hash,
+)
+from dspark_obs.workloads.sources import package_files
 
 __all__ = [
     "INSTANCES_PER_TEMPLATE",

@@ -16,8 +16,8 @@ import functools
 import re
 from dataclasses import dataclass
 
-from .base import Prompt, derive_seed, normalize_text, split_of
-from .sources import package_files
+from dspark_obs.workloads.base import Prompt, derive_seed, normalize_text, split_of
+from dspark_obs.workloads.sources import package_files
 
 __all__ = ["CORPUS_DIR", "FILES", "INSTRUCTION", "Block", "blocks", "pool", "windows"]
 

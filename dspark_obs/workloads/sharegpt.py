@@ -16,17 +16,16 @@ from __future__ import annotations
 import functools
 import io
 import json
-import os
 import re
-import tempfile
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from .base import Prompt, normalize_text, split_of
-from .sources import PINS, cache_dir, package_files
+from dspark_obs._atomic import write_text_atomic
+from dspark_obs.workloads.base import Prompt, normalize_text, split_of
+from dspark_obs.workloads.sources import PINS, cache_dir, package_files
 
 __all__ = [
     "DATA_MEMBER",
@@ -290,17 +289,9 @@ def _read_cache(path: Path) -> list[dict[str, str]] | None:
 
 def _write_cache(path: Path, rows: list[dict[str, str]], info: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".sharegpt-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps({**_header(), **info}) + "\n")
-            for row in rows:
-                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    lines = [json.dumps({**_header(), **info}) + "\n"]
+    lines += [json.dumps(row, ensure_ascii=False) + "\n" for row in rows]
+    write_text_atomic(path, "".join(lines), mode=0o644)
 
 
 @functools.cache

@@ -22,16 +22,15 @@ import json
 import math
 import os
 import random
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dspark_obs._atomic import write_text_atomic
 from dspark_obs._jsonfile import MAX_DEPTH, too_deep
-
-from .base import SPLITS, WORKLOADS, Prompt, derive_seed, stable_hash
-from .catalog import load_prompts
+from dspark_obs.workloads.base import SPLITS, WORKLOADS, Prompt, derive_seed, stable_hash
+from dspark_obs.workloads.catalog import load_prompts
 
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
@@ -249,15 +248,7 @@ def save_traffic(path: str | os.PathLike[str], requests: Iterable[TrafficRequest
             raise ValueError(f"duplicate rid {row['rid']!r} (request {i})")
         rids.add(row["rid"])
         lines.append(json.dumps(row, ensure_ascii=False) + "\n")
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.writelines(lines)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    return write_text_atomic(target, "".join(lines))
 
 
 def load_traffic(path: str | os.PathLike[str]) -> list[TrafficRequest]:

@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import plotly.express as px
 import plotly.graph_objects as go
-import queries as q
 import streamlit as st
-import ui
 
-ui.header(
-    "Windows",
-    "verify_len = target positions verified per request per step (anchor included, "
-    "1..gamma+1). compact trims the window where the confidence head expects rejection.",
-)
-s = ui.store()
-if ui.require_data(s):
-    f = ui.sidebar_filters(s)
-    hist = q.window_histogram(s, f)
+from dashboards.streamlit import ui
+from dashboards.streamlit.queries import windows
+from dashboards.streamlit.queries.shared import Filters
+from dspark_obs.store import Store
+
+
+def show(s: Store, f: Filters) -> None:
+    hist = windows.window_histogram(s, f)
     if len(hist) == 0:
         ui.empty_state("No req-step rows match the filters.")
     else:
@@ -32,7 +29,7 @@ if ui.require_data(s):
             title="Verify-window histogram per workload (share of req-steps)",
         )
         ui.chart(fig, key="hist")
-        per_step = q.window_per_step(s, f)
+        per_step = windows.window_per_step(s, f)
         for run_id, part in per_step.groupby("run_id", sort=True):
             width = int(part["step_width"].iloc[0])
             piv = part.pivot_table(
@@ -57,7 +54,7 @@ if ui.require_data(s):
                 yaxis_title="verify_len",
             )
             ui.chart(fig, key=f"steps-{run_id}")
-        budget = q.budget_per_step(s, f)
+        budget = windows.budget_per_step(s, f)
         if len(budget) and budget["budget"].notna().any():
             fig = px.line(
                 budget,
@@ -72,3 +69,11 @@ if ui.require_data(s):
             st.info("No step recorded a budget (static runs and SGLang without DSpark: -1).")
         st.subheader("Histogram table")
         ui.table(hist)
+
+
+ui.page(
+    "Windows",
+    "verify_len = target positions verified per request per step (anchor included, "
+    "1..gamma+1). compact trims the window where the confidence head expects rejection.",
+    show,
+)

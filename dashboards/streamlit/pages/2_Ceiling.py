@@ -4,22 +4,17 @@ from __future__ import annotations
 
 import plotly.express as px
 import plotly.graph_objects as go
-import queries as q
 import streamlit as st
-import ui
 
+from dashboards.streamlit import ui
+from dashboards.streamlit.queries import ceiling
+from dashboards.streamlit.queries.shared import Filters
 from dspark_obs.analytics.estimator_cells import describe_tail
+from dspark_obs.store import Store
 
-ui.header(
-    "Ceiling",
-    "ceiling = acc_len + cap_trim, measured exactly by a cap-accept companion; "
-    "utilization = committed / ceiling. The block-accept estimator recovers the ceiling "
-    "from the compact run alone: [lo, hi] is SGLang's bracket, point is calibrated.",
-)
-s = ui.store()
-if ui.require_data(s):
-    f = ui.sidebar_filters(s)
-    truth = q.ceiling_by_workload(s, f)
+
+def show(s: Store, f: Filters) -> None:
+    truth = ceiling.ceiling_by_workload(s, f)
     if len(truth) == 0:
         ui.empty_state(
             "No cap-accept companion run matches the filters, so the ceiling is not measured.",
@@ -68,7 +63,7 @@ if ui.require_data(s):
             "The estimator needs a compact run.",
         )
     else:
-        est = ui.cached("ceiling_estimate", str(s.root), ui.run_rows(s, run_id), run_id)
+        est = ui.cached(ceiling.ceiling_estimate, s, ui.run_rows(s, run_id), run_id)
         if len(est.summary) == 0:
             st.warning(f"{run_id}: nothing to estimate ({'; '.join(est.problems)})")
         else:
@@ -135,3 +130,12 @@ if ui.require_data(s):
                 )
             for p in est.problems:
                 st.warning(p)
+
+
+ui.page(
+    "Ceiling",
+    "ceiling = acc_len + cap_trim, measured exactly by a cap-accept companion; "
+    "utilization = committed / ceiling. The block-accept estimator recovers the ceiling "
+    "from the compact run alone: [lo, hi] is SGLang's bracket, point is calibrated.",
+    show,
+)

@@ -5,35 +5,32 @@ from __future__ import annotations
 import plotly.express as px
 import plotly.graph_objects as go
 import streamlit as st
-import ui
 from plotly.subplots import make_subplots
+
+from dashboards.streamlit import ui
+from dashboards.streamlit.queries import calibration
+from dashboards.streamlit.queries.shared import Filters
+from dspark_obs.store import Store
 
 COLORS = {"raw": "#1f77b4", "sts": "#ff7f0e"}
 
-ui.header(
-    "Calibration",
-    "Prediction for draft position j: survival S_j = c_1...c_j; label: drafts 1..j all "
-    "accepted. Censored positions (past an all-accepted compact window) are never counted "
-    "as rejections. ECE: 15 equal-width bins, as SGLang's STS fitter computes it.",
-)
-s = ui.store()
-if ui.require_data(s):
-    f = ui.sidebar_filters(s)
+
+def show(s: Store, f: Filters) -> None:
     run_id = ui.pick_run(s, f, "Run", key="cal_run")
     if run_id is None:
         ui.empty_state("No run matches the filters.")
     else:
-        cal = ui.cached("calibration", str(s.root), ui.run_rows(s, run_id), run_id, f.workloads)
+        cal = ui.cached(calibration.calibration, s, ui.run_rows(s, run_id), run_id, f.workloads)
         if len(cal.metrics) == 0:
             ui.empty_state(f"{run_id} recorded no confidence vectors ({cal.evaluation}).")
         else:
             st.caption(cal.evaluation)
             verdict = cal.verdict
             if verdict is not None:  # the same verdict fit-sts and the report give
-                show = {"ok": st.success, "too few to trust": st.warning}.get(
+                say = {"ok": st.success, "too few to trust": st.warning}.get(
                     verdict.status, st.error
                 )
-                show(
+                say(
                     "\n".join([f"**STS verdict: {verdict.status}**", *(f"- {r}" for r in
                                                                         verdict.reasons)])
                 )  # fmt: skip
@@ -121,3 +118,12 @@ if ui.require_data(s):
                     "requests. Fit on more traffic and check the verdict again:"
                 )
                 st.code(f"dspark-obs fit-sts --run {run_id} --out sts.json", language="bash")
+
+
+ui.page(
+    "Calibration",
+    "Prediction for draft position j: survival S_j = c_1...c_j; label: drafts 1..j all "
+    "accepted. Censored positions (past an all-accepted compact window) are never counted "
+    "as rejections. ECE: 15 equal-width bins, as SGLang's STS fitter computes it.",
+    show,
+)

@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import plotly.express as px
-import queries as q
 import streamlit as st
-import ui
 
-ui.header(
-    "Cost model",
-    "The planner picks the budget with T(bs, K) = bias + alpha(bs) + theta(bs + K); "
-    "predicted_step_ms is that prediction for the step it ran, measured is the step's GPU "
-    "time (SGLang) or CPU wall time (embedded engine).",
-)
-s = ui.store()
-if ui.require_data(s):
-    f = ui.sidebar_filters(s)
-    cm = q.cost_model(s, f)
+from dashboards.streamlit import ui
+from dashboards.streamlit.queries import cost_model
+from dashboards.streamlit.queries.shared import Filters
+from dspark_obs.store import Store
+
+
+def show(s: Store, f: Filters) -> None:
+    cm = cost_model.cost_model(s, f)
     pts, shape = cm["points"], cm["by_shape"]
     if len(pts) == 0:
         ui.empty_state(
@@ -63,9 +59,18 @@ if ui.require_data(s):
         ui.table(shape)
     run_id = ui.pick_run(s, f, "Cost table of run", key="cost_run")
     if run_id is not None:
-        table, note = q.cost_table_of(s, run_id)
+        table, note = cost_model.cost_table_of(s, run_id)
         st.subheader("Fitted cost table")
         st.caption(note)
         if len(table):
             ui.table(table)
         st.code("dspark-obs profile --out runtime/cost_tables/mine.json", language="bash")
+
+
+ui.page(
+    "Cost model",
+    "The planner picks the budget with T(bs, K) = bias + alpha(bs) + theta(bs + K); "
+    "predicted_step_ms is that prediction for the step it ran, measured is the step's GPU "
+    "time (SGLang) or CPU wall time (embedded engine).",
+    show,
+)

@@ -4,23 +4,20 @@ from __future__ import annotations
 
 import numpy as np
 import plotly.graph_objects as go
-import queries as q
 import streamlit as st
-import ui
 
-ui.header(
-    "Requests",
-    "Pick a request: per step its window, what was committed, the head's confidence c_j "
-    "and survival S_j for each draft position, and its prompt and output.",
-)
-s = ui.store()
-if ui.require_data(s):
-    f = ui.sidebar_filters(s)
-    reqs = q.request_list(s, f)
+from dashboards.streamlit import ui
+from dashboards.streamlit.queries import overview, requests
+from dashboards.streamlit.queries.shared import Filters
+from dspark_obs.store import Store
+
+
+def show(s: Store, f: Filters) -> None:
+    reqs = requests.request_list(s, f)
     if len(reqs) == 0:
         ui.empty_state("No finished request matches the filters.")
     else:
-        companions = set(q.run_table(s, f).dropna(subset=["companion_of"])["run_id"])
+        companions = set(overview.run_table(s, f).dropna(subset=["companion_of"])["run_id"])
         reqs = reqs.assign(_comp=reqs["run_id"].isin(companions))
         reqs = reqs.sort_values(["_comp", "completion_tokens"], ascending=[True, False])
         reqs = reqs.reset_index(drop=True)  # default: the longest request of a primary run
@@ -30,8 +27,8 @@ if ui.require_data(s):
         ]
         i = st.selectbox("Request", range(len(labels)), format_func=labels.__getitem__, key="req")
         run_id, rid = reqs.iloc[i]["run_id"], reqs.iloc[i]["rid"]
-        steps = q.request_steps(s, run_id, rid)
-        detail = q.request_detail(s, run_id, rid) or {}
+        steps = requests.request_steps(s, run_id, rid)
+        detail = requests.request_detail(s, run_id, rid) or {}
         c = st.columns(5)
         c[0].metric("steps", len(steps))
         c[1].metric("completion tokens", detail.get("completion_tokens") or 0)
@@ -109,3 +106,11 @@ if ui.require_data(s):
             "decode them with the model's tokenizer."
         )
         st.code(str(detail.get("output_tokens")), language=None)
+
+
+ui.page(
+    "Requests",
+    "Pick a request: per step its window, what was committed, the head's confidence c_j "
+    "and survival S_j for each draft position, and its prompt and output.",
+    show,
+)

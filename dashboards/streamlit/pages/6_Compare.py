@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import plotly.graph_objects as go
-import queries as q
 import streamlit as st
-import ui
 
-ui.header(
-    "Compare",
-    "B - A for every headline metric, with a 95% bootstrap interval over requests "
-    "(each run's requests resampled independently). Pick any two runs: compact vs static, "
-    "two drafters, before and after STS. TTFT / TPOT quantiles in the run table are exact.",
-)
-s = ui.store()
-if ui.require_data(s):
-    f = ui.sidebar_filters(s)
-    runs = q.run_table(s, f)
+from dashboards.streamlit import ui
+from dashboards.streamlit.queries import compare, overview
+from dashboards.streamlit.queries.shared import Filters
+from dspark_obs.store import Store
+
+
+def show(s: Store, f: Filters) -> None:
+    runs = overview.run_table(s, f)
     if len(runs) < 2:
         ui.empty_state("Comparing needs two runs (the filters leave fewer).")
     else:
@@ -24,7 +20,7 @@ if ui.require_data(s):
         c1, c2 = st.columns(2)
         run_a = c1.selectbox("Run A", ids, index=1 if len(ids) > 1 else 0, key="cmp_a")
         run_b = c2.selectbox("Run B", ids, index=0, key="cmp_b")
-        cmp = q.compare_runs(s, run_a, run_b, f.workloads)
+        cmp = compare.compare_runs(s, run_a, run_b, f.workloads)
         ui.table(cmp)
         for note in sorted(set(cmp["note"]) - {""}):
             st.info(f"Not compared: {note}. A compact run's ceiling is hidden, so its mean "
@@ -63,11 +59,12 @@ if ui.require_data(s):
             ]
         ]
         ui.table(side)
-        wl = q.workload_table(s, q.Filters(runs=(run_a, run_b), workloads=f.workloads))
+        rows = (ui.run_rows(s, run_a), ui.run_rows(s, run_b))  # the view scans both runs
+        wl = ui.cached(compare.workload_summary, s, rows, (run_a, run_b), f.workloads)
         st.subheader("Per workload")
         ui.table(wl)
     st.subheader("Bench runs (dspark-obs bench)")
-    bench = q.bench_runs(s)
+    bench = compare.bench_runs(s)
     if len(bench) == 0:
         ui.empty_state(
             "No bench run is stored yet.",
@@ -79,3 +76,12 @@ if ui.require_data(s):
             "Two bench runs can be picked as A and B above; the A/B gate: "
             "dspark-obs gate BASE_RUN NEW_RUN --store " + str(s.root)
         )
+
+
+ui.page(
+    "Compare",
+    "B - A for every headline metric, with a 95% bootstrap interval over requests "
+    "(each run's requests resampled independently). Pick any two runs: compact vs static, "
+    "two drafters, before and after STS. TTFT / TPOT quantiles in the run table are exact.",
+    show,
+)

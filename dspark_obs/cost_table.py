@@ -30,15 +30,14 @@ import json
 import math
 import os
 import statistics
-import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 
+from dspark_obs._atomic import write_text_atomic
 from dspark_obs._jsonfile import read_json_file
 
 __all__ = [
@@ -185,16 +184,7 @@ class CostTable(ABC):
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write atomically (temp file + rename), so a reader never sees half a table."""
-        target = Path(path)
-        text = json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
-        fd, tmp = tempfile.mkstemp(dir=target.parent or ".", prefix=f".{target.name}.")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_text_atomic(path, json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n")
 
 
 class _FileError(CostTableError):

@@ -14,13 +14,13 @@ rendered as SGLang's estimator JSONL.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 
 from dspark_obs.analytics.estimator import BlockAcceptRecorder
+from dspark_obs.sglang.estimator_writer import eos_line, estimator_line
 
 WINDOW_WEIGHTS = {
     # relative weight of verify_len = 1..gamma+1 (truncated / padded to gamma+1)
@@ -134,18 +134,30 @@ class _Request:
         return self.seq[self.prompt_len :]
 
 
+@dataclass
+class _Block:
+    """One request's draft block in one step: what verification and the row builder read."""
+
+    req: _Request
+    cfg: SimConfig
+    world: _World
+    prefix_len: int
+    drafts: list[int] = field(default_factory=list)
+
+    def ctx(self, row: int) -> tuple[int, int]:
+        """Context of verify row ``row`` (row 0: the anchor), drafts standing in after it."""
+        full = self.req.seq + self.drafts
+        return full[self.prefix_len - 2 + row], full[self.prefix_len - 1 + row]
+
+
 def _step(req: _Request, cfg: SimConfig, world: _World, full_verify: bool) -> dict:
     """One verify step of one request; returns the req-step row fields (+ private extras)."""
     g, t = cfg.gamma, cfg.temperature
     prefix_len = len(req.seq)
     verify_len = int(req.window_rng.choice(g + 1, p=req.window_p)) + 1
     w = verify_len - 1
-    drafts: list[int] = []
-
-    def ctx(row: int) -> tuple[int, int]:
-        """Context of verify row ``row`` (row 0: the anchor), drafts standing in after it."""
-        full = req.seq + drafts
-        return full[prefix_len - 2 + row], full[prefix_len - 1 + row]
+    block = _Block(req, cfg, world, prefix_len)
+    drafts, ctx = block.drafts, block.ctx
 
     q_lp, conf = [], []
     for j in range(1, g + 1):
@@ -158,10 +170,8 @@ def _step(req: _Request, cfg: SimConfig, world: _World, full_verify: bool) -> di
         conf.append(float(1.0 / (1.0 + np.exp(-z))))
 
     if cfg.shared_draws and t > 0.0:
-        shared = _shared_accept(req, cfg, world, drafts, ctx, prefix_len, w)  # cl, trim, bonus
-        return _finish_step(
-            req, cfg, world, drafts, ctx, prefix_len, verify_len, *shared, q_lp, conf
-        )
+        shared = _shared_accept(block, w)  # cl, trim, bonus
+        return _finish_step(block, verify_len, *shared, q_lp, conf)
     limit = g if full_verify else w
     correct = 0
     bonus = None
@@ -189,21 +199,13 @@ def _step(req: _Request, cfg: SimConfig, world: _World, full_verify: bool) -> di
         bonus = drafts[cl]
     elif bonus is None:  # every verified draft accepted: the bonus comes from the target
         bonus = world.pick(world.target, ctx(cl), prefix_len + cl, req.rng)
-    return _finish_step(
-        req, cfg, world, drafts, ctx, prefix_len, verify_len, cl, cap_trim, bonus, q_lp, conf
-    )
+    return _finish_step(block, verify_len, cl, cap_trim, bonus, q_lp, conf)
 
 
-def _shared_accept(
-    req: _Request,
-    cfg: SimConfig,
-    world: _World,
-    drafts: list[int],
-    ctx: Callable[[int], tuple[int, int]],
-    prefix_len: int,
-    w: int,
-) -> tuple[int, int, int]:
+def _shared_accept(block: _Block, w: int) -> tuple[int, int, int]:
     """(correct_drafts, cap_trim, bonus) from gamma + 1 uniforms, the same in every mode."""
+    req, cfg, world, drafts, ctx = block.req, block.cfg, block.world, block.drafts, block.ctx
+    prefix_len = block.prefix_len
     g = cfg.gamma
     u = req.rng.random(g + 1)
     correct = 0
@@ -226,12 +228,7 @@ def _shared_accept(
 
 
 def _finish_step(
-    req: _Request,
-    cfg: SimConfig,
-    world: _World,
-    drafts: list[int],
-    ctx: Callable[[int], tuple[int, int]],
-    prefix_len: int,
+    block: _Block,
     verify_len: int,
     cl: int,
     cap_trim: int,
@@ -240,6 +237,8 @@ def _finish_step(
     conf: list[float],
 ) -> dict:
     """Commit (EOS / length cut) and build the req-step row."""
+    req, cfg, world, drafts, ctx = block.req, block.cfg, block.world, block.drafts, block.ctx
+    prefix_len = block.prefix_len
     t = cfg.temperature
     tokens = drafts[:cl] + [bonus]
     room = cfg.max_new_tokens - len(req.output)
@@ -313,28 +312,7 @@ def _run(
                     tlp,
                 )
                 row.update(est)
-                rec = {
-                    "rid": req.rid,
-                    "fct": fct,
-                    "w": row["verify_len"] - 1,
-                    "cl": row["correct_drafts"],
-                    "ct": 0,
-                }
-                if est["trimmed_tokens"] is not None:
-                    rec["trimmed_tokens"] = est["trimmed_tokens"]
-                    rec["q_lp"] = est["q_lp"]
-                if est["pg"]:
-                    rec["pg"] = [
-                        [
-                            e["src_fct"],
-                            e["k"],
-                            e["target_logprob"],
-                            e["draft_token"],
-                            e["realized_token"],
-                        ]
-                        for e in est["pg"]
-                    ]
-                jsonl.append(json.dumps(rec))
+                jsonl.append(json.dumps(estimator_line(row)))
             batch.append(row)
         req_rows += batch
         step_rows.append(
@@ -353,7 +331,7 @@ def _run(
             if recorder is not None:
                 eos = recorder.finish(req.rid, natural_stop=req.finish == "stop")
                 if eos:
-                    jsonl.append(json.dumps({"rid": req.rid, "eos_end": eos}))
+                    jsonl.append(json.dumps(eos_line(req.rid, eos)))
         active = [r for r in active if r.finish is None]
     req_table = [
         {

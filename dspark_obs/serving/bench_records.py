@@ -16,9 +16,8 @@ from typing import Any
 import pandas as pd
 
 from dspark_obs.schema import MODES
-
-from .client import GenerationRequest, RequestResult
-from .stats import FRAME_COLUMNS, BenchSummary
+from dspark_obs.serving.bench_stats import FRAME_COLUMNS, BenchSummary
+from dspark_obs.serving.client import GenerationRequest, RequestResult
 
 __all__ = ["bench_records", "load_bench_run", "server_meta"]
 

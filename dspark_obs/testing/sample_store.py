@@ -1,11 +1,12 @@
 """A store of synthetic runs for the dashboard's tests, screenshots and query benchmark.
 
-The records are the project's own synthetic DSpark world (dspark_obs.analytics.synthetic):
-a compact run and its cap-accept companion over math / chat / poetry requests with a real
-verification rule. They are given what a real run also records (timestamps, TTFT-able
-request times, per-step predicted and measured time from the shipped CPU cost table) and
-go through the real ingest path (``FanOut`` -> ``Store.write``). ``tile`` copies one pair
-under new run ids to reach millions of rows quickly.
+Test and demo data, so it lives in the testing package, not beside the pages. The records are
+the project's own synthetic DSpark world (dspark_obs.testing.synthetic): a compact run and its
+cap-accept companion over math / chat / poetry requests with a real verification rule. They
+are given what a real run also records (timestamps, TTFT-able request times, per-step
+predicted and measured time from the shipped CPU cost table) and go through the real ingest
+path (``FanOut`` -> ``Store.write``). ``tile`` copies one pair under new run ids to reach
+millions of rows quickly.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dspark_obs.analytics.synthetic import simulate_pair
-from dspark_obs.engine.costs import CostTable
+from dspark_obs.cost_table import CostTable
 from dspark_obs.fanout import FanOut
-from dspark_obs.schema import to_table
 from dspark_obs.store import Store
+from dspark_obs.testing.synthetic import simulate_pair
+from dspark_obs.validation import to_table
 
 __all__ = ["synthetic_tables", "tile", "write_in_slices", "write_sample_store"]
 

@@ -12,11 +12,23 @@ Same arguments, same requests: the seed fixes prompts, order and per-request sam
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from .client import GenerationRequest
+from dspark_obs.serving.client import GenerationRequest
 
-__all__ = ["BENCH_WORKLOADS", "build_requests", "random_requests", "source_requests"]
+if TYPE_CHECKING:
+    from dspark_obs.workloads import TrafficRequest
+
+__all__ = [
+    "BENCH_WORKLOADS",
+    "build_requests",
+    "random_requests",
+    "requests_from_traffic",
+    "source_requests",
+]
 
 BENCH_WORKLOADS = ("random", "math", "chat", "poetry", "mixed")
 
@@ -71,6 +83,12 @@ def source_requests(
         raise ValueError(f"unknown workload {workload!r}; expected one of {BENCH_WORKLOADS}")
     traffic = mixed_traffic(n, shares, seed=seed, split=split, rate=None,
                             max_new_tokens=output_len, temperature=temperature)
+    return requests_from_traffic(traffic)
+
+
+def requests_from_traffic(traffic: Iterable[TrafficRequest]) -> list[GenerationRequest]:
+    """Workload traffic (generated, or a ``--workload-file``) as HTTP chat requests: the
+    prompt's messages and its sampling settings, seed and workload kept."""
     return [
         GenerationRequest(
             rid=t.rid,

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import pandas as pd
 
-from .client import RequestResult
+from dspark_obs.serving.client import RequestResult
 
 __all__ = [
     "PEAK_CAVEAT",

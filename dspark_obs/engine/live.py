@@ -1,0 +1,69 @@
+"""A running request's state in the decode loop, and the per-request rules every step applies
+to it (stop ids, the min-new-tokens mask, SGLang's "logits adjusted" test)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark_obs.engine.acceptance import SAMPLING_EPS, AcceptResult
+from dspark_obs.engine.censored import Censored
+from dspark_obs.engine.penalties import OutputCounts
+from dspark_obs.engine.types import MASKED_LOGIT, GenRequest
+
+__all__ = ["Live", "Outcome", "mask_stops", "sglang_adjusts_logits"]
+
+Outcome = tuple[AcceptResult, list[int], list[int], str | None]
+"""One request's step: acceptance, the tokens uncut by stops / length, the tokens committed,
+and the finish reason (None: still running)."""
+
+
+@dataclass
+class Live:
+    """Per running request state."""
+
+    req: GenRequest
+    gen: torch.Generator
+    anchor: int
+    output: list[int]
+    arrival_time: float
+    first_token_time: float
+    slot: int  # the runtime's slot (== index in the running batch)
+    censored: list[Censored] = field(default_factory=list)
+    stops: frozenset[int] = frozenset()  # the engine's EOS ids + the request's stop ids
+    counts: OutputCounts | None = None  # output token counts (penalized requests only)
+
+    def masked_rows(self, rows: int) -> int:
+        """How many of the next ``rows`` output positions still fall under
+        ``min_new_tokens`` (row j produces output token ``len(output) + j``)."""
+        return max(0, min(rows, self.req.min_new_tokens - len(self.output)))
+
+    def stops_at(self, token: int) -> bool:
+        """Whether committing ``token`` finishes the request (SGLang: ``ignore_eos`` turns
+        every stop id off, the request's own included)."""
+        return token in self.stops and not self.req.ignore_eos
+
+    @property
+    def greedy(self) -> bool:
+        return self.req.temperature < SAMPLING_EPS
+
+
+def mask_stops(logits: torch.Tensor, rows: int, stops: frozenset[int]) -> torch.Tensor:
+    """``logits`` with the stop ids of its first ``rows`` rows set to ``MASKED_LOGIT`` (a copy:
+    batched step outputs are static buffers). Applied to the target rows before acceptance,
+    so greedy verification and rejection sampling both stay exact for the masked target."""
+    if rows <= 0 or not stops:
+        return logits
+    out = logits.clone()
+    ids = torch.tensor(sorted(stops), device=logits.device)
+    out[:rows, ids] = MASKED_LOGIT
+    return out
+
+
+def sglang_adjusts_logits(running: Sequence[Live]) -> bool:
+    """Whether SGLang 0.5.23 would call this batch's verify logits adjusted (its
+    ``verify_logits_adjustments_are_noop`` is False): some request has a penalty or
+    ``min_new_tokens`` (a penalizer is required); its estimator recorder then skips the step."""
+    return any(r.counts is not None or r.req.min_new_tokens > 0 for r in running)

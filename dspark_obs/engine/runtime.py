@@ -1,0 +1,137 @@
+"""The one interface the decode loop drives: slots, prefill, draft, verify, commit.
+
+Two runtimes implement it: :class:`~dspark_obs.engine.reference.ReferenceRuntime` (one KV cache
+and one drafter context per request: the readable model of the algorithm) and
+:class:`~dspark_obs.engine.batched.BatchedRuntime` (a slot pool, one attention call per layer
+for the whole batch, CUDA graphs on a GPU). The loop (:mod:`dspark_obs.engine.loop`) and the
+no-speculation baseline (:mod:`dspark_obs.engine.no_spec`) never ask which one they hold.
+
+The shared contract:
+
+* slots are dense: a running request owns slot ``0..used-1``; :meth:`Runtime.release` moves the
+  highest slot's request into the freed one and says which slot moved (row i of a step is
+  slot i);
+* :meth:`Runtime.forward` appends tokens at the end of slots (lengths advance);
+  :meth:`Runtime.commit` keeps a slot's first ``length`` positions (rolling back rejected
+  drafts) and sets the token it drafts from next; the drafter's context follows what was
+  committed, nothing else;
+* :meth:`Runtime.draft` drafts one block for slots ``0..B-1`` from their anchors.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dspark_obs.engine.batched import BATCH_TIERS, TOKEN_TIERS, BatchedRuntime, shared_runtime
+from dspark_obs.engine.drafter import DraftBlock, Drafter
+from dspark_obs.engine.model import Target
+from dspark_obs.engine.reference import ReferenceRuntime
+from dspark_obs.engine.types import EngineConfig
+
+__all__ = ["Runtime", "Verified", "engine_runtime", "uses_batched"]
+
+
+class Verified(Protocol):
+    """One verify forward's output."""
+
+    def split(self) -> tuple[list[Tensor], list[np.ndarray]]:
+        """Per request (in the order given to ``forward``): float logits rows and argmax."""
+        ...
+
+
+class Runtime(Protocol):
+    """What :class:`~dspark_obs.engine.loop.Engine` and ``run_no_spec`` need of a runtime."""
+
+    busy: bool  # an engine is running on it (a shared one is not handed out twice)
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether calls return before the device finished (CUDA): steps are then timed with
+        CUDA events (a synchronous runtime's calls are timed by the host clock)."""
+        ...
+
+    def reserve(self, max_batch: int, max_len: int) -> None:
+        """Room for ``max_batch`` running requests of up to ``max_len`` positions each."""
+        ...
+
+    def reset(self) -> None:
+        """Forget every running request (a new run starts)."""
+        ...
+
+    def acquire(self) -> int:
+        """A free slot (the next dense one)."""
+        ...
+
+    def release(self, slot: int) -> int | None:
+        """Free ``slot``; returns the slot whose request moved into it (None: it was last)."""
+        ...
+
+    def length(self, slot: int) -> int:
+        """Committed positions of ``slot`` (the prompt and every kept token)."""
+        ...
+
+    def set_anchor(self, slot: int, token: int) -> None:
+        """The token ``slot`` drafts from next (the first one after its prefill)."""
+        ...
+
+    def commit(self, slot: int, length: int, anchor: int) -> None:
+        """Keep ``slot``'s first ``length`` positions and draft from ``anchor`` next."""
+        ...
+
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> Tensor:
+        """Run prompts into empty slots: float logits [k, V] of each prompt's last position."""
+        ...
+
+    def draft(
+        self, temps: Sequence[float], generators: Sequence[torch.Generator | None] | None = None
+    ) -> DraftBlock:
+        """One block of drafts for slots ``0..B-1`` (B = len(temps))."""
+        ...
+
+    def forward(
+        self, slots: Sequence[int], tokens: Sequence[Sequence[int]], *, q: int | None = None
+    ) -> Verified:
+        """Run ``tokens[i]`` at the end of slot ``slots[i]`` (one packed forward)."""
+        ...
+
+
+def uses_batched(cfg: EngineConfig, target: Target) -> bool:
+    """Whether ``cfg.backend`` picks the batched runtime on this target (``auto``: on a GPU)."""
+    if cfg.backend == "auto":
+        return target.device.type == "cuda"
+    return cfg.backend == "batched"
+
+
+def engine_runtime(
+    target: Target,
+    drafter: Drafter,
+    cfg: EngineConfig,
+    max_len: int,
+    prefer: Runtime | None = None,
+) -> Runtime:
+    """The runtime one engine run drives, handed out busy, with room for ``max_len``.
+
+    Batched: shared across runs and engines on this target (:func:`~dspark_obs.engine.
+    batched.shared_runtime`), so CUDA graphs are captured once (``prefer``: the engine's last
+    one, when it is free); ``cfg.capture_graphs`` captures them all now. Reference: a fresh
+    one per run (it holds nothing worth keeping)."""
+    if not uses_batched(cfg, target):
+        rt = ReferenceRuntime(target, drafter, gamma=cfg.gamma)
+        rt.busy = True
+        rt.reserve(cfg.max_batch, max_len)
+        return rt
+    batched = shared_runtime(
+        target, drafter, max_batch=cfg.max_batch, max_len=max_len, gamma=cfg.gamma,
+        cuda_graphs=cfg.cuda_graphs, compiled=cfg.compile,
+        token_tiers=cfg.token_tiers or TOKEN_TIERS, batch_tiers=cfg.batch_tiers or BATCH_TIERS,
+        prefer=prefer if isinstance(prefer, BatchedRuntime) else None,
+    )  # fmt: skip
+    if cfg.capture_graphs:
+        batched.capture(max_len, lambda line: print(line, file=sys.stderr))
+    return batched

@@ -1,0 +1,141 @@
+"""Training data: the target's own responses to workload prompts, and their batch order.
+
+Responses are generated *by the target* for train-split prompts of the workloads (math,
+chat, poetry), greedy and temperature-1, so the drafter learns the target's distribution
+rather than a dataset's. Batches and anchors are a function of ``seed`` and the step number
+alone, so a resumed run sees the same data in the same order.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """torch.save through a temporary file and a rename: a crash never leaves half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+@dataclass
+class TrainData:
+    """Target-generated training sequences (prompt + response token ids)."""
+
+    seqs: list[list[int]]
+    prompt_lens: list[int]
+    workloads: list[str]
+    modes: list[str]  # "greedy" | "sample"
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def save(self, path: Path) -> None:
+        atomic_save(
+            {
+                "seqs": self.seqs,
+                "prompt_lens": self.prompt_lens,
+                "workloads": self.workloads,
+                "modes": self.modes,
+                "info": self.info,
+            },
+            path,
+        )
+
+    @classmethod
+    def load(cls, path: Path) -> TrainData:
+        d = torch.load(path, weights_only=False)
+        return cls(d["seqs"], d["prompt_lens"], d["workloads"], d["modes"], d.get("info", {}))
+
+
+def workload_prompts(
+    tokenizer: Any,
+    workloads: Sequence[str],
+    counts: int | Mapping[str, int],
+    split: str,
+    seed: int,
+    max_prompt_tokens: int,
+) -> list[tuple[str, list[int]]]:
+    """(workload, prompt ids) for each workload's prompts; over-long prompts are dropped."""
+    from dspark_obs.engine.weights import encode_chat
+    from dspark_obs.workloads import load_prompts
+
+    out: list[tuple[str, list[int]]] = []
+    for w in workloads:
+        n = counts[w] if isinstance(counts, Mapping) else counts
+        for pr in load_prompts(w, split, n, seed):
+            ids = encode_chat(tokenizer, pr.messages)
+            if len(ids) <= max_prompt_tokens:
+                out.append((w, ids))
+    return out
+
+
+def build_train_data(
+    runner: Any,
+    prompts: Sequence[tuple[str, Sequence[int]]],
+    max_new_tokens: int,
+    modes: Sequence[str],
+    eos_ids: Sequence[int],
+    seed: int,
+    gen_batch_size: int,
+    log: Callable[[str], None] = print,
+) -> TrainData:
+    """Generate the target's responses (greedy and/or temperature-1) for every prompt."""
+    data = TrainData([], [], [], [])
+    gen = torch.Generator(device=runner.device).manual_seed(seed)
+    # length-sorted batches: similar prompt lengths waste less padding / compute
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i][1]))
+    t0 = time.time()
+    ntok = 0
+    for mode in modes:
+        temp = 0.0 if mode == "greedy" else 1.0
+        for s in range(0, len(order), gen_batch_size):
+            idx = order[s : s + gen_batch_size]
+            outs = runner.generate([prompts[i][1] for i in idx], max_new_tokens, temp, gen, eos_ids)
+            for i, resp in zip(idx, outs, strict=True):
+                if len(resp) < 2:
+                    continue
+                w, p = prompts[i]
+                data.seqs.append(list(p) + resp)
+                data.prompt_lens.append(len(p))
+                data.workloads.append(w)
+                data.modes.append(mode)
+                ntok += len(resp)
+            log(
+                f"[gen] {mode} {min(s + gen_batch_size, len(order))}/{len(order)} prompts, "
+                f"{ntok} tokens, {ntok / max(time.time() - t0, 1e-9):.0f} tok/s"
+            )
+    data.info = {"max_new_tokens": max_new_tokens, "modes": list(modes), "tokens": ntok}
+    return data
+
+
+def batch_indices(n: int, batch_size: int, step: int, seed: int) -> list[int]:
+    """Deterministic data order: epoch-wise permutations seeded by (seed, epoch)."""
+    out: list[int] = []
+    start = step * batch_size
+    while len(out) < batch_size:
+        epoch, off = divmod(start + len(out), n)
+        perm = list(range(n))
+        random.Random(seed * 1_000_003 + epoch).shuffle(perm)
+        out.extend(perm[off : off + batch_size - len(out)])
+    return out
+
+
+def sample_anchors(
+    prompt_lens: Sequence[int], lengths: Sequence[int], nb: int, gen: torch.Generator
+) -> Tensor:
+    """Stratified random anchors in [prompt_len, len - 2] (each block has >= 1 target)."""
+    rows = []
+    for p, t in zip(prompt_lens, lengths, strict=True):
+        span = max(t - 1 - p, 1)
+        u = torch.rand(nb, generator=gen)
+        a = p + ((torch.arange(nb) + u) * span / nb).long().clamp(max=span - 1)
+        rows.append(a)
+    return torch.stack(rows)

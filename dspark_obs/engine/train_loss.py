@@ -1,0 +1,106 @@
+"""The DSpark drafter objective, per block position k (1-based), weighted exp(-(k-1)/decay).
+
+``0.1 * CE(q_k, realized x_k) + 0.9 * TV(p_k, q_k) + 1.0 * BCE(c_k, 1 - TV(p_k, q_k))`` with
+the BCE target detached. TV drives q towards p (what rejection sampling rewards); the small
+CE term keeps the mode sharp for greedy; the confidence head learns the analytic acceptance.
+A drafter with a greedy confidence head adds ``1.0 * BCE(c^greedy_k, 1[argmax q_k ==
+argmax p_k])``: the event greedy verification accepts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def position_weights(gamma: int, gamma_decay: float, device: Any = None) -> Tensor:
+    """w_k = exp(-(k-1)/gamma_decay), k = 1..gamma: early drafts matter most (they gate
+    every later one)."""
+    k = torch.arange(gamma, dtype=torch.float32, device=device)
+    return torch.exp(-k / gamma_decay)
+
+
+def tv_distance(p: Tensor, q: Tensor) -> Tensor:
+    """Total-variation distance 0.5 * sum |p - q| over the last dim."""
+    return 0.5 * (p - q).abs().sum(-1)
+
+
+@dataclass
+class LossParts:
+    """Loss and the per-position diagnostics logged while training."""
+
+    loss: Tensor
+    ce: float
+    tv: float
+    bce: float
+    accept_1mtv: list[float]  # mean analytic acceptance 1 - TV per position
+    greedy_match: list[float]  # mean 1[argmax q == argmax p] per position
+    prefix_match: list[float]  # mean 1[argmax q == argmax p at positions 1..k]
+    conf_mean: list[float]
+    bce_greedy: float = 0.0  # greedy-head BCE (0 without a greedy head)
+    conf_greedy_mean: list[float] = field(default_factory=list)
+
+
+def drafter_loss(
+    logits: Tensor,
+    conf_logits: Tensor,
+    target_logits: Tensor,
+    next_tokens: Tensor,
+    valid: Tensor,
+    gamma_decay: float,
+    w_ce: float = 0.1,
+    w_tv: float = 0.9,
+    w_conf: float = 1.0,
+) -> LossParts:
+    """DSpark objective over rows [..., gamma] (logits [..., gamma, V]).
+
+    target_logits are the target's logits for the same predicted positions; next_tokens the
+    realized tokens; valid masks positions past the end of a sequence. conf_logits are
+    [..., gamma] (sampling head) or [..., gamma, 2] (sampling head, greedy head).
+    """
+    gamma = logits.shape[-2]
+    lq = torch.log_softmax(logits.float(), -1)
+    q = lq.exp()
+    p = torch.softmax(target_logits.float(), -1)
+    tv = tv_distance(p, q)  # [..., gamma]
+    ce = -lq.gather(-1, next_tokens.unsqueeze(-1)).squeeze(-1)
+    match = (logits.argmax(-1) == target_logits.argmax(-1)).float()
+    z = conf_logits.float()
+    z_greedy = None
+    if z.dim() == logits.dim():
+        z, z_greedy = z[..., 0], z[..., 1]
+    acc = (1.0 - tv).detach().clamp(0.0, 1.0)
+    bce = F.binary_cross_entropy_with_logits(z, acc, reduction="none")
+    w = position_weights(gamma, gamma_decay, logits.device) * valid.float()
+    denom = w.sum().clamp_min(1e-9)
+    per = w_ce * ce + w_tv * tv + w_conf * bce
+    bce_g = None
+    if z_greedy is not None:
+        bce_g = F.binary_cross_entropy_with_logits(z_greedy, match, reduction="none")
+        per = per + w_conf * bce_g
+    loss = (per * w).sum() / denom
+    with torch.no_grad():
+        vf = valid.float().reshape(-1, gamma)
+        n = vf.sum(0).clamp_min(1.0)
+
+        def pos_mean(x: Tensor) -> list[float]:
+            return ((x.reshape(-1, gamma).float() * vf).sum(0) / n).tolist()
+
+        parts = LossParts(
+            loss=loss,
+            ce=float((ce * w).sum() / denom),
+            tv=float((tv * w).sum() / denom),
+            bce=float((bce * w).sum() / denom),
+            accept_1mtv=pos_mean(1.0 - tv),
+            greedy_match=pos_mean(match),
+            prefix_match=pos_mean(match.reshape(-1, gamma).cumprod(-1)),
+            conf_mean=pos_mean(torch.sigmoid(z)),
+        )
+        if z_greedy is not None and bce_g is not None:
+            parts.bce_greedy = float((bce_g * w).sum() / denom)
+            parts.conf_greedy_mean = pos_mean(torch.sigmoid(z_greedy))
+    return parts

@@ -1,0 +1,14 @@
+"""Test-data generators and tiny models, shared by tests and benchmarks (not product code).
+
+* :mod:`.synthetic` - a tiny, fully known DSpark world (Markov target and drafter): a compact
+  run, its cap-accept companion and the truth, as schema tables (numpy/pandas);
+* :mod:`.sample_store` - a store of synthetic runs for the dashboards' tests, screenshots and
+  query benchmark;
+* :mod:`.tiny_models` - tiny random targets and drafters of the real architecture (torch).
+
+Why no re-exports here: ``synthetic`` is torch-free and used by analytics tests; eager
+re-exports would load torch for them. Product packages never import this one (only the
+``dspark-obs`` entry point does, for ``engine-server --tiny``; tests/test_house.py checks it).
+"""
+
+__all__: list[str] = []
