@@ -23,7 +23,7 @@ Variants:
 * ``hf``: ``LlamaForCausalLM.generate`` (greedy, KV cache, the same stop ids) built from the
   loaded target's weights, one request at a time, batch 1 only (``--no-hf`` skips it).
 
-Metrics (definitions in ``dspark_obs/serving/throughput.py``): total tokens/s over the whole
+Metrics (definitions in ``dspark_obs/testing/throughput_bench.py``): total tokens/s over the whole
 queue; tokens/s per request = median of 1 / TPOT (first token excluded) from the engine's
 ``requests`` rows (DSpark), from per-request clocks (no-spec: ``RunResult.times``; HF via a
 streamer); accept length and mean verify
@@ -72,7 +72,7 @@ from dspark_obs.engine.loop import Engine, EngineConfig, GenRequest
 from dspark_obs.engine.no_spec import run_no_spec
 from dspark_obs.engine.session import load_cost_table, load_models, traffic_to_requests
 from dspark_obs.fanout import FanOut, MemorySink
-from dspark_obs.serving.throughput import (
+from dspark_obs.testing.throughput_bench import (
     POOLED,
     Measurement,
     RequestStat,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark_obs.serving.throughput import (
+from dspark_obs.testing.throughput_bench import (
     POOLED,
     Measurement,
     RequestStat,

@@ -46,7 +46,13 @@ import numpy as np
 import pyarrow as pa
 
 from dspark_obs.fanout import DEFAULT_QUEUE_BATCHES, Clock, Lane, LaneStats
-from dspark_obs.schema import PG_TYPE, REQ_STEPS, SGLANG_REQ_INT_FIELDS, STEPS
+from dspark_obs.schema import (
+    PG_TYPE,
+    REQ_STEPS,
+    SGLANG_REQ_INT_FIELDS,
+    SGLANG_STEP_FLOAT_FIELDS,
+    STEPS,
+)
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _US = timedelta(microseconds=1)
@@ -142,14 +148,7 @@ class StepArrays:
 
 _ROW_INTS = SGLANG_REQ_INT_FIELDS  # the ReqDetail ints every req_steps row carries
 _BLOCKS = ("draft_tokens", "confidence", "survival")
-_STEP_FLOATS = (
-    "predicted_step_ms",
-    "predicted_theta",
-    "step_cpu_ms",
-    "step_gpu_ms",
-    "draft_gpu_ms",
-    "target_verify_gpu_ms",
-)
+_STEP_FLOATS = SGLANG_STEP_FLOAT_FIELDS  # the step's optional timings
 
 
 @dataclass

@@ -5,6 +5,8 @@
 * :mod:`.sample_store` - a store of synthetic runs for the dashboards' tests, screenshots and
   query benchmark;
 * :mod:`.tiny_models` - tiny random targets and drafters of the real architecture (torch).
+* :mod:`.throughput_bench` - the engine throughput benchmark's queue, statistics, tables and
+  plots (``bench/bench_throughput.py``, ``bench/bench_cpu_drafting.py``).
 
 Why no re-exports here: ``synthetic`` is torch-free and used by analytics tests; eager
 re-exports would load torch for them. Product packages never import this one (only the
