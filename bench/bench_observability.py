@@ -29,7 +29,6 @@ import tempfile
 import threading
 import time
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -46,30 +45,15 @@ from dspark_obs.engine.session import (
 from dspark_obs.sinks import OtelSink, PrometheusSink
 from dspark_obs.sinks.serve import start_http
 from dspark_obs.store import Store
+from dspark_obs.testing.otlp_drop import start_otlp_drop
+from dspark_obs.testing.tiny_models import tiny_models
 from dspark_obs.workloads import mixed_traffic
 
 
-class _Sink(BaseHTTPRequestHandler):
-    """An OTLP/HTTP endpoint that accepts and drops everything (a collector stand-in)."""
-
-    def do_POST(self) -> None:  # noqa: N802
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        self.send_response(200)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 def tiny_setup(n: int, new_tokens: int) -> tuple[Models, list[GenRequest]]:
-    from dspark_obs.engine.drafter import Drafter
-    from dspark_obs.engine.drafter_config import DrafterConfig
-    from dspark_obs.engine.model import ModelConfig, Target
-
-    torch.manual_seed(0)
-    target = Target(ModelConfig.tiny(vocab_size=6, max_position=1024)).eval()
-    drafter = Drafter(DrafterConfig.for_target(target, num_layers=1, gamma_max=5), target).eval()
+    models = tiny_models(
+        vocab_size=6, max_position=1024, markov_rank=None, context_window=None, drafter_name="tiny"
+    )
     rng = np.random.default_rng(0)
     reqs = [
         GenRequest(
@@ -82,7 +66,7 @@ def tiny_setup(n: int, new_tokens: int) -> tuple[Models, list[GenRequest]]:
         )  # fmt: skip
         for i in range(n)
     ]
-    return Models(target, drafter, None, (), "tiny", "tiny"), reqs
+    return models, reqs
 
 
 def one_run(models, reqs, config, variant: str, tmp: Path, otlp_url: str, rep: int, args):
@@ -142,9 +126,7 @@ def main() -> None:
         reqs = traffic_to_requests(traffic, models.tokenizer)
         table = load_cost_table(None, args.device)
     config = EngineConfig(mode="compact", gamma=5, max_batch=args.max_batch, cost_table=table)
-    receiver = ThreadingHTTPServer(("127.0.0.1", 0), _Sink)
-    threading.Thread(target=receiver.serve_forever, daemon=True).start()
-    otlp_url = f"http://127.0.0.1:{receiver.server_address[1]}"
+    receiver, otlp_url = start_otlp_drop()
 
     variants = ("off", "telemetry", "store", "all")
     times: dict[str, list[float]] = {v: [] for v in variants}

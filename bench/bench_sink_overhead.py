@@ -53,7 +53,6 @@ import threading
 import time
 import urllib.request
 from dataclasses import asdict, replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -71,33 +70,14 @@ from dspark_obs.fanout import FanOut, RecordSink
 from dspark_obs.sinks import OtelSink, PrometheusSink
 from dspark_obs.sinks.serve import start_http
 from dspark_obs.store import Store
+from dspark_obs.testing.otlp_drop import start_otlp_drop
+from dspark_obs.testing.tiny_models import tiny_models
 from dspark_obs.workloads import mixed_traffic
 
 VARIANTS = ("none", "prometheus", "store", "all")
-
-
-class _DropOtlp(BaseHTTPRequestHandler):
-    """A loopback OTLP/HTTP receiver that accepts and drops everything."""
-
-    def do_POST(self) -> None:  # noqa: N802
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        self.send_response(200)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-def tiny_models() -> Models:
-    from dspark_obs.engine.drafter import Drafter
-    from dspark_obs.engine.drafter_config import DrafterConfig
-    from dspark_obs.engine.model import ModelConfig, Target
-
-    torch.manual_seed(0)
-    target = Target(ModelConfig.tiny(vocab_size=64, max_position=1024)).eval()
-    drafter = Drafter(DrafterConfig.for_target(target, num_layers=1, gamma_max=5), target).eval()
-    return Models(target, drafter, None, (), "tiny", "tiny")
+# the --tiny models: a 64-token vocabulary, the drafter config's own Markov rank and window
+TINY = dict(vocab_size=64, max_position=1024, markov_rank=None, context_window=None,
+            drafter_name="tiny")  # fmt: skip
 
 
 def requests_for(models: Models, n: int, new_tokens: int, tiny: bool) -> list[GenRequest]:
@@ -274,13 +254,11 @@ def main() -> None:
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
 
-    models = tiny_models() if args.tiny else load_models(device=args.device)
+    models = tiny_models(**TINY) if args.tiny else load_models(device=args.device)
     if args.tiny and args.device != "cpu":
         models = replace(models, target=models.target.to(args.device),
                          drafter=models.drafter.to(args.device))  # fmt: skip
-    receiver = ThreadingHTTPServer(("127.0.0.1", 0), _DropOtlp)
-    threading.Thread(target=receiver.serve_forever, daemon=True).start()
-    otlp_url = f"http://127.0.0.1:{receiver.server_address[1]}"
+    receiver, otlp_url = start_otlp_drop()
     batches = [int(b) for b in args.batch.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         results = [bench_batch(models, bs, args, Path(tmp), otlp_url) for bs in batches]

@@ -31,6 +31,7 @@ from dspark_obs.analytics import coverage, estimate_blocks, pair_companion, vali
 from dspark_obs.engine.loop import ESTIMATOR_MIN_TEMPERATURE, Engine, EngineConfig, GenRequest
 from dspark_obs.engine.session import load_cost_table, load_models, traffic_to_requests
 from dspark_obs.fanout import FanOut, MemorySink
+from dspark_obs.testing.tiny_models import tiny_models
 from dspark_obs.workloads import mixed_traffic
 
 SETTINGS = {
@@ -38,21 +39,6 @@ SETTINGS = {
     "smollm2": {"T=1": {}, "T=1 top_k=20": {"top_k": 20}, "T=1 top_p=0.9": {"top_p": 0.9}},
 }
 TINY_VOCAB = 6
-
-
-def _tiny_models(seed: int):
-    from dspark_obs.engine.drafter import Drafter
-    from dspark_obs.engine.drafter_config import DrafterConfig
-    from dspark_obs.engine.model import ModelConfig, Target
-    from dspark_obs.engine.session import Models
-
-    torch.manual_seed(seed)
-    target = Target(ModelConfig.tiny(vocab_size=TINY_VOCAB, max_position=512)).double().eval()
-    dcfg = DrafterConfig.for_target(
-        target, num_layers=1, markov_rank=4, gamma_max=5, context_window=64
-    )
-    drafter = Drafter(dcfg, target).double().eval()
-    return Models(target, drafter, None, (), "tiny", "tiny")
 
 
 def _tiny_requests(n: int, seed: int, new_tokens: int) -> list[GenRequest]:
@@ -111,7 +97,7 @@ def main() -> None:
         vals: dict[str, list[pd.DataFrame]] = {"exact": [], "old": []}
         for rep in range(args.replicates):
             if tiny:
-                models = _tiny_models(rep)
+                models = tiny_models(rep, double=True, vocab_size=TINY_VOCAB, drafter_name="tiny")
                 base = _tiny_requests(args.requests, 2000 + rep, args.new_tokens)
             else:
                 traffic = mixed_traffic(

@@ -5,6 +5,7 @@
 * :mod:`.sample_store` - a store of synthetic runs for the dashboards' tests, screenshots and
   query benchmark;
 * :mod:`.tiny_models` - tiny random targets and drafters of the real architecture (torch).
+* :mod:`.otlp_drop` - a loopback OTLP/HTTP endpoint that drops everything (sink benchmarks);
 * :mod:`.throughput_bench` - the engine throughput benchmark's queue, statistics, tables and
   plots (``bench/bench_throughput.py``, ``bench/bench_cpu_drafting.py``).
 
