@@ -147,7 +147,7 @@ def test_set_sts_rejects_bad_files_and_keeps_what_it_had(tmp_path: Path, payload
 
 def test_set_sts_judges_a_served_file_as_sglang_does(tmp_path: Path) -> None:
     """Only the temperatures decide (SGLang ignores the rest): ECE lists of another length,
-    as the shipped sts_greedy.json has, do not stop serving; the full record reader refuses."""
+    as drafter v2's sts_greedy.json had, do not stop serving; the full record reader refuses."""
     from dspark_obs.sts_file import StsCalibration, StsFileError
 
     p = tmp_path / "sts.json"
@@ -157,6 +157,17 @@ def test_set_sts_judges_a_served_file_as_sglang_does(tmp_path: Path) -> None:
     assert d.sts(3, greedy=True).tolist() == [0.5, 2.0, 1.5]
     with pytest.raises(StsFileError, match="'ece_before' has 2 values but there are 3"):
         StsCalibration.load(p)
+
+
+def test_shipped_sts_files_are_whole_sglang_files_for_every_trained_position() -> None:
+    """Each regime's shipped STS passes the strict reader and covers the trained block."""
+    from dspark_obs.sts_file import StsCalibration
+
+    root = Path(__file__).resolve().parents[1] / "runtime" / "drafter"
+    gamma_max = json.loads((root / "config.json").read_text())["drafter"]["gamma_max"]
+    for name in ("sts.json", "sts_greedy.json"):
+        cal = StsCalibration.load(root / name)
+        assert len(cal.temperatures) == gamma_max, name
 
 
 def test_cache_incremental_equals_one_shot_and_window() -> None:

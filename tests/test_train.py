@@ -217,3 +217,86 @@ def test_init_from_saved_drafter_with_a_new_greedy_head_and_snapshots(tmp_path: 
             init_from=base.export_dir, drafter_config={"markov_rank": 4}, eos_ids=[1],
             max_new_tokens=8, log=lambda s: None,
         )  # fmt: skip
+
+
+def test_kl_term_and_regime_heads_by_hand() -> None:
+    logits = torch.log(torch.tensor([[[0.75, 0.25], [0.5, 0.5]]]))
+    tlogits = torch.log(torch.tensor([[[0.25, 0.75], [0.5, 0.5]]]))
+    nxt = torch.tensor([[1, 0]])
+    valid = torch.tensor([[True, True]])
+    w = [1.0, math.exp(-1.0)]
+    base = drafter_loss(logits, torch.zeros(1, 2), tlogits, nxt, valid, 1.0)
+    with_kl = drafter_loss(logits, torch.zeros(1, 2), tlogits, nxt, valid, 1.0, w_kl=0.5)
+    kl = [0.25 * math.log(0.25 / 0.75) + 0.75 * math.log(0.75 / 0.25), 0.0]  # KL(p || q)
+    want = 0.5 * (w[0] * kl[0] + w[1] * kl[1]) / sum(w)
+    assert math.isclose(float(with_kl.loss - base.loss), want, rel_tol=1e-5)
+    # two heads, one row per regime: each head's BCE counts on its own regime's row only
+    two_rows = (logits.repeat(2, 1, 1), tlogits.repeat(2, 1, 1), nxt.repeat(2, 1))
+    z = torch.stack([torch.tensor([[0.0, 2.0]] * 2), torch.tensor([[1.0, -1.0]] * 2)], -1)
+    regime = torch.tensor([True, False])  # row 0 greedy text, row 1 sampled text
+    both = drafter_loss(two_rows[0], z, two_rows[1], two_rows[2], valid.repeat(2, 1), 1.0)
+    split = drafter_loss(
+        two_rows[0], z, two_rows[1], two_rows[2], valid.repeat(2, 1), 1.0, regime=regime
+    )
+
+    def bce(x: float, y: float) -> float:
+        s = 1 / (1 + math.exp(-x))
+        return -(y * math.log(s) + (1 - y) * math.log(1 - s))
+
+    sample_bce = [bce(0.0, 0.5), bce(2.0, 1.0)]  # targets 1 - TV
+    greedy_bce = [bce(1.0, 0.0), bce(-1.0, 1.0)]  # targets argmax match
+    dropped = sum(w[k] * (sample_bce[k] + greedy_bce[k]) for k in range(2)) / (2 * sum(w))
+    assert math.isclose(float(both.loss - split.loss), dropped, rel_tol=1e-5)
+
+
+def test_loss_weights_parse_and_name_a_bad_term() -> None:
+    from dspark_obs.engine.train import parse_loss_weights
+
+    assert parse_loss_weights("ce=0.1, tv=0.5,kl=0.4") == {"ce": 0.1, "tv": 0.5, "kl": 0.4}
+    assert parse_loss_weights(None) == {}
+    with pytest.raises(ValueError, match="'mse=1'"):
+        parse_loss_weights("mse=1")
+    with pytest.raises(ValueError, match="'x' is not a number"):
+        parse_loss_weights("kl=x")
+
+
+def test_deeper_drafter_starts_exactly_where_the_saved_one_is(tmp_path: Path) -> None:
+    base = _train(tmp_path / "base", steps=3)
+    deep = train_drafter(
+        _tiny_target(), out_dir=tmp_path / "deep", prompts=_prompts(6), gamma=3, steps=1,
+        stop_after=0, init_from=base.export_dir, drafter_config={"num_layers": 2},
+        eos_ids=[1], max_new_tokens=12, gen_batch_size=6, log=lambda s: None,
+    )  # fmt: skip
+    shallow = Drafter.load(base.export_dir, _tiny_target())
+    assert deep.drafter.cfg.num_layers == 2 and shallow.cfg.num_layers == 1
+    torch.manual_seed(0)
+    hidden = torch.randn(1, 9, len(shallow.hidden_layers) * shallow.cfg.hidden_size)
+    tokens = torch.randint(0, shallow.cfg.vocab_size, (1, 9))
+    anchors = torch.tensor([[2, 5]])
+    _, lg_a, z_a = shallow.forward_train(hidden, tokens, anchors, 3)
+    _, lg_b, z_b = deep.drafter.forward_train(hidden, tokens, anchors, 3)
+    assert torch.allclose(lg_a, lg_b, atol=1e-5) and torch.allclose(z_a, z_b, atol=1e-5)
+
+
+def test_one_mode_per_prompt_and_target_written_variants() -> None:
+    from dspark_obs.engine.train_data import build_train_data, variant_prompts
+
+    class Echo:  # a runner that answers each prompt with its last three ids (+ EOS for odd)
+        device = torch.device("cpu")
+
+        def generate(self, prompts: Any, n: int, t: float, g: Any, eos: Any) -> list[list[int]]:
+            return [list(p[-3:]) + ([1] if len(p) % 2 else []) for p in prompts]
+
+    prompts = [("math", [5, 6, 7, 8]), ("chat", [9, 10, 11]), ("math", [12, 13, 14, 15, 16])]
+    data = build_train_data(Echo(), prompts, 8, ("greedy", "sample"), [1], 0, 2,
+                            log=lambda s: None, one_mode_per_prompt=True)  # fmt: skip
+    assert sorted(zip(data.modes, map(tuple, data.seqs), strict=True)) == [
+        ("greedy", (5, 6, 7, 8, 6, 7, 8)),
+        ("greedy", (12, 13, 14, 15, 16, 14, 15, 16, 1)),
+        ("sample", (9, 10, 11, 9, 10, 11, 1)),
+    ]
+    wraps = {"math": ([100], [101, 102]), "chat": ([], [103])}
+    got = variant_prompts(Echo(), prompts, wraps, 8, 0.7, [1], 0, 2, min_tokens=2,
+                          log=lambda s: None)  # fmt: skip
+    # prompt 0 (even length) was cut at the limit: no EOS, dropped; EOS is stripped
+    assert sorted(got) == [("chat", [9, 10, 11, 103]), ("math", [100, 14, 15, 16, 101, 102])]

@@ -80,8 +80,14 @@ def train_step_loss(
     gamma_decay: float,
     gen: torch.Generator,
     device: torch.device,
+    loss_weights: Mapping[str, float] | None = None,
+    regime_heads: bool = False,
 ) -> LossParts:
-    """One batch: teacher-forced target pass, many-block drafter pass, DSpark loss."""
+    """One batch: teacher-forced target pass, many-block drafter pass, DSpark loss.
+
+    ``loss_weights`` overrides the objective's term weights (``ce``, ``tv``, ``kl``,
+    ``conf``); ``regime_heads`` trains each confidence head on its own regime's rows only.
+    """
     seqs = [data.seqs[i] for i in idx]
     plens = [data.prompt_lens[i] for i in idx]
     lens = [len(s) for s in seqs]
@@ -102,7 +108,65 @@ def train_step_loss(
     rows = last.gather(1, ppos_c.reshape(b, -1, 1).expand(-1, -1, last.shape[-1]))
     with torch.no_grad():
         tl = drafter.target.lm_head(rows).float().view(*ppos.shape, -1)  # type: ignore[operator]
-    return drafter_loss(logits, z, tl, nxt, valid, gamma_decay)
+    regime = None
+    if regime_heads:
+        regime = torch.tensor([data.modes[i] == "greedy" for i in idx], device=device)
+    weights = {f"w_{k}": float(v) for k, v in (loss_weights or {}).items()}
+    return drafter_loss(logits, z, tl, nxt, valid, gamma_decay, regime=regime, **weights)
+
+
+LOSS_TERMS = ("ce", "tv", "kl", "conf")
+
+
+def parse_loss_weights(text: str | None) -> dict[str, float]:
+    """``"ce=0.1,tv=0.5,kl=0.5"`` -> weights of the objective's terms (others keep defaults)."""
+    out: dict[str, float] = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        name, sep, value = part.partition("=")
+        name = name.strip()
+        if not sep or name not in LOSS_TERMS:
+            raise ValueError(f"loss weight {part!r}: expected NAME=VALUE with NAME in {LOSS_TERMS}")
+        try:
+            out[name] = float(value)
+        except ValueError as exc:
+            raise ValueError(f"loss weight {part!r}: {value!r} is not a number") from exc
+    return out
+
+
+@torch.no_grad()
+def heldout_monitor(
+    drafter: Drafter,
+    runner: PaddedRunner,
+    data: TrainData,
+    gamma: int,
+    blocks_per_seq: int,
+    gamma_decay: float,
+    device: torch.device,
+    batch_size: int,
+    seed: int,
+) -> dict[str, dict[str, Any]]:
+    """Teacher-forced accept estimates per workload and mode on held-out sequences (the
+    same anchors every call, so snapshots compare): greedy accept ``1 + sum_k P(argmax
+    matches at 1..k)`` and the mean analytic acceptance ``1 - TV`` per position."""
+    out: dict[str, dict[str, Any]] = {}
+    groups: dict[str, list[int]] = {}
+    for i, (w, m) in enumerate(zip(data.workloads, data.modes, strict=True)):
+        groups.setdefault(f"{w}/{m}", []).append(i)
+    for key, rows in sorted(groups.items()):
+        rows = rows[:batch_size]
+        gen = torch.Generator().manual_seed(seed)
+        parts = train_step_loss(
+            drafter, runner, data, rows, gamma, blocks_per_seq, gamma_decay, gen, device
+        )
+        out[key] = {
+            "est_greedy": 1.0 + sum(parts.prefix_match),
+            "accept_1mtv": parts.accept_1mtv,
+            "conf_mean": parts.conf_mean,
+            "sequences": len(rows),
+        }
+    return out
 
 
 def train_drafter(
@@ -138,6 +202,12 @@ def train_drafter(
     init_from: str | Path | None = None,
     on_snapshot: Callable[[int, Drafter], None] | None = None,
     snapshot_every: int = 0,
+    loss_weights: Mapping[str, float] | None = None,
+    regime_heads: bool = False,
+    one_mode_per_prompt: bool = False,
+    data: TrainData | None = None,
+    monitor: TrainData | None = None,
+    monitor_every: int = 0,
     log: Callable[[str], None] = print,
 ) -> TrainResult:
     """Generate target data (or reuse ``out_dir/data.pt``), train, checkpoint, export.
@@ -147,6 +217,11 @@ def train_drafter(
     and also paces the LR schedule; ``stop_after`` ends this invocation after that many steps
     (checkpointed; ``resume=True`` continues on the same schedule), for time-sliced machines.
     The trained drafter is exported with :meth:`Drafter.save` to ``out_dir/drafter``.
+
+    ``data`` trains on ready sequences (several recipes sharing one generated set);
+    ``one_mode_per_prompt`` answers each prompt once, the modes in turn (more distinct
+    prompts for the same generation time). ``monitor`` (held-out sequences) is scored
+    teacher-forced every ``monitor_every`` steps and at the end (``heldout`` in the history).
     """
     dev = torch.device(device)
     out = Path(out_dir)
@@ -164,7 +239,9 @@ def train_drafter(
         eos = []
 
     data_path = out / DATA_FILE
-    if data_path.exists() and (resume or prompts is None):
+    if data is not None:
+        log(f"[data] {len(data.seqs)} given sequences")
+    elif data_path.exists() and (resume or prompts is None):
         data = TrainData.load(data_path)
         log(f"[data] reusing {data_path} ({len(data.seqs)} sequences)")
     else:
@@ -176,7 +253,8 @@ def train_drafter(
             )
         log(f"[data] generating responses for {len(prompts)} prompts, modes={list(modes)}")
         data = build_train_data(
-            run, prompts, max_new_tokens, modes, eos, seed, gen_batch_size, log
+            run, prompts, max_new_tokens, modes, eos, seed, gen_batch_size, log,
+            one_mode_per_prompt=one_mode_per_prompt,
         )
         data.save(data_path)
     if not data.seqs:
@@ -230,6 +308,22 @@ def train_drafter(
     train_budget = None if time_budget_s is None else max(time_budget_s - (t0 - t_start), 1.0)
     win: list[LossParts] = []
     stopped_early = False
+
+    def watch(at: int) -> None:
+        assert monitor is not None
+        drafter.eval()
+        with amp:
+            held = heldout_monitor(
+                drafter, run, monitor, gamma, blocks_per_seq, gamma_decay, dev, batch_size, seed
+            )
+        drafter.train()
+        history.append({"step": at, "heldout": held})
+        log(f"[heldout] step {at} " + " ".join(
+            f"{k} {v['est_greedy']:.2f}/{sum(v['accept_1mtv']):.2f}" for k, v in held.items()
+        ))
+
+    if monitor is not None and step == 0:
+        watch(0)
     if on_snapshot is not None and step == 0:
         drafter.eval()
         on_snapshot(0, drafter)
@@ -249,7 +343,8 @@ def train_drafter(
         gen = torch.Generator().manual_seed(seed * 7919 + step)
         with amp:
             parts = train_step_loss(
-                drafter, run, data, idx, gamma, blocks_per_seq, gamma_decay, gen, dev
+                drafter, run, data, idx, gamma, blocks_per_seq, gamma_decay, gen, dev,
+                loss_weights, regime_heads,
             )
         opt.zero_grad(set_to_none=True)
         parts.loss.backward()
@@ -270,12 +365,16 @@ def train_drafter(
                 f"conf {_fmt(rec['conf_mean'])} gconf {_fmt(rec['conf_greedy_mean'])} "
                 f"lr {rec['lr']:.2e} {rec['steps_per_s']:.2f} it/s"
             )
+        if monitor is not None and monitor_every and step % monitor_every == 0:
+            watch(step)
         if step % ckpt_every == 0:
             save_ckpt(step)
         if on_snapshot is not None and snapshot_every and step % snapshot_every == 0:
             drafter.eval()
             on_snapshot(step, drafter)
             drafter.train()
+    if monitor is not None and not (monitor_every and step % monitor_every == 0):
+        watch(step)
     save_ckpt(step)
     drafter.eval()
     meta = {
@@ -291,6 +390,8 @@ def train_drafter(
         "init_from": str(init_from) if init_from is not None else None,
         "warmup": warmup,
         "stopped_early": stopped_early,
+        "loss_weights": dict(loss_weights or {}),
+        "regime_heads": regime_heads,
         "last": history[-1] if history else None,
     }
     export = drafter.save(out / EXPORT_DIR, meta=meta)
@@ -309,7 +410,9 @@ def _init_config(
 
 
 def _init_weights(drafter: Drafter, init_from: str | Path) -> None:
-    """Load a saved drafter's weights; a greedy head it lacks copies its sampling head."""
+    """Load a saved drafter's weights; a greedy head it lacks copies its sampling head, and
+    layers past its depth start as the identity (their output projections zero, so the
+    deeper drafter begins exactly where the saved one is)."""
     from safetensors.torch import load_file
 
     sd = {k: v.float() for k, v in load_file(str(Path(init_from) / WEIGHTS_FILE)).items()}
@@ -317,6 +420,12 @@ def _init_weights(drafter: Drafter, init_from: str | Path) -> None:
     if "conf_head_greedy.weight" in own and "conf_head_greedy.weight" not in sd:
         sd["conf_head_greedy.weight"] = sd["conf_head.weight"].clone()
         sd["conf_head_greedy.bias"] = sd["conf_head.bias"].clone()
+    for k, v in own.items():
+        if k.startswith("layers.") and k not in sd:
+            fresh = v.detach().clone()
+            if k.endswith(("o_proj.weight", "down.weight")):
+                fresh.zero_()
+            sd[k] = fresh
     bad = [k for k, v in sd.items() if k in own and tuple(v.shape) != tuple(own[k].shape)]
     missing = sorted(set(own) - set(sd))
     if bad or missing:

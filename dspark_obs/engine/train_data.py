@@ -86,16 +86,21 @@ def build_train_data(
     seed: int,
     gen_batch_size: int,
     log: Callable[[str], None] = print,
+    one_mode_per_prompt: bool = False,
 ) -> TrainData:
-    """Generate the target's responses (greedy and/or temperature-1) for every prompt."""
+    """Generate the target's responses (greedy and/or temperature-1) for every prompt, or,
+    with ``one_mode_per_prompt``, prompt i answered once in mode ``modes[i % len(modes)]``."""
     data = TrainData([], [], [], [])
     gen = torch.Generator(device=runner.device).manual_seed(seed)
-    # length-sorted batches: similar prompt lengths waste less padding / compute
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i][1]))
     t0 = time.time()
     ntok = 0
-    for mode in modes:
+    for m, mode in enumerate(modes):
         temp = 0.0 if mode == "greedy" else 1.0
+        mine = [
+            i for i in range(len(prompts)) if not one_mode_per_prompt or i % len(modes) == m
+        ]
+        # length-sorted batches: similar prompt lengths waste less padding / compute
+        order = sorted(mine, key=lambda i: len(prompts[i][1]))
         for s in range(0, len(order), gen_batch_size):
             idx = order[s : s + gen_batch_size]
             outs = runner.generate([prompts[i][1] for i in idx], max_new_tokens, temp, gen, eos_ids)
@@ -112,8 +117,56 @@ def build_train_data(
                 f"[gen] {mode} {min(s + gen_batch_size, len(order))}/{len(order)} prompts, "
                 f"{ntok} tokens, {ntok / max(time.time() - t0, 1e-9):.0f} tok/s"
             )
-    data.info = {"max_new_tokens": max_new_tokens, "modes": list(modes), "tokens": ntok}
+    data.info = {
+        "max_new_tokens": max_new_tokens,
+        "modes": list(modes),
+        "tokens": ntok,
+        "one_mode_per_prompt": one_mode_per_prompt,
+    }
     return data
+
+
+def variant_prompts(
+    runner: Any,
+    requests: Sequence[tuple[str, Sequence[int]]],
+    wraps: Mapping[str, tuple[Sequence[int], Sequence[int]]],
+    max_new_tokens: int,
+    temperature: float,
+    eos_ids: Sequence[int],
+    seed: int,
+    gen_batch_size: int,
+    min_tokens: int = 8,
+    log: Callable[[str], None] = print,
+) -> list[tuple[str, list[int]]]:
+    """New prompts written by the target itself: each request (workload, chat ids asking
+    for a new problem / question / verse like a train prompt) is answered once, and the
+    answer becomes the user message of a new prompt, ``prefix + answer + suffix`` from the
+    workload's ``wraps`` (the chat template around the workload's instruction). Answers
+    cut off at the limit or shorter than ``min_tokens`` are dropped.
+
+    Why: the drafter overfits the phrasing of its train prompts' templates; the target's
+    own variants give many more distinct prompts whose responses it then writes."""
+    gen = torch.Generator(device=runner.device).manual_seed(seed)
+    eos = set(int(e) for e in eos_ids)
+    order = sorted(range(len(requests)), key=lambda i: len(requests[i][1]))
+    out: list[tuple[str, list[int]]] = []
+    for s in range(0, len(order), gen_batch_size):
+        idx = order[s : s + gen_batch_size]
+        answers = runner.generate(
+            [requests[i][1] for i in idx], max_new_tokens, temperature, gen, eos_ids
+        )
+        for i, ans in zip(idx, answers, strict=True):
+            if not ans or ans[-1] not in eos:
+                continue
+            body = ans[:-1]
+            if len(body) < min_tokens:
+                continue
+            w = requests[i][0]
+            prefix, suffix = wraps[w]
+            out.append((w, [*prefix, *body, *suffix]))
+        done = min(s + gen_batch_size, len(order))
+        log(f"[variants] {done}/{len(order)} requests, kept {len(out)}")
+    return out
 
 
 def batch_indices(n: int, batch_size: int, step: int, seed: int) -> list[int]:

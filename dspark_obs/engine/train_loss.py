@@ -1,10 +1,17 @@
 """The DSpark drafter objective, per block position k (1-based), weighted exp(-(k-1)/decay).
 
-``0.1 * CE(q_k, realized x_k) + 0.9 * TV(p_k, q_k) + 1.0 * BCE(c_k, 1 - TV(p_k, q_k))`` with
-the BCE target detached. TV drives q towards p (what rejection sampling rewards); the small
-CE term keeps the mode sharp for greedy; the confidence head learns the analytic acceptance.
-A drafter with a greedy confidence head adds ``1.0 * BCE(c^greedy_k, 1[argmax q_k ==
-argmax p_k])``: the event greedy verification accepts.
+``w_ce * CE(q_k, realized x_k) + w_tv * TV(p_k, q_k) + w_kl * KL(p_k || q_k) + w_conf *
+BCE(c_k, 1 - TV(p_k, q_k))`` with the BCE target detached (defaults 0.1 / 0.9 / 0 / 1, the
+v2 recipe). TV drives q towards p (what rejection sampling rewards) but its gradient only
+sees where q and p differ in sign; the forward KL (distillation against the target's whole
+distribution) gives every token a gradient; the small CE term keeps the mode sharp for
+greedy; the confidence head learns the analytic acceptance. A drafter with a greedy
+confidence head adds ``w_conf * BCE(c^greedy_k, 1[argmax q_k == argmax p_k])``: the event
+greedy verification accepts.
+
+``regime`` (per row: 1 for sequences the target wrote greedily, 0 for sampled ones) trains
+each head only on its own sampling regime's text: the greedy head on greedy sequences (the
+contexts greedy decoding produces), the sampling head on sampled ones.
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ def drafter_loss(
     w_ce: float = 0.1,
     w_tv: float = 0.9,
     w_conf: float = 1.0,
+    w_kl: float = 0.0,
+    regime: Tensor | None = None,
 ) -> LossParts:
     """DSpark objective over rows [..., gamma] (logits [..., gamma, V]).
 
@@ -77,11 +86,19 @@ def drafter_loss(
     bce = F.binary_cross_entropy_with_logits(z, acc, reduction="none")
     w = position_weights(gamma, gamma_decay, logits.device) * valid.float()
     denom = w.sum().clamp_min(1e-9)
-    per = w_ce * ce + w_tv * tv + w_conf * bce
+    per = w_ce * ce + w_tv * tv
+    if w_kl:
+        kl = (p * (torch.log(p.clamp_min(1e-30)) - lq)).sum(-1)
+        per = per + w_kl * kl
+    on_sample = on_greedy = torch.ones_like(tv)
+    if regime is not None and z_greedy is not None:
+        g = regime.to(tv.dtype).reshape(-1, *([1] * (tv.dim() - 1))).expand_as(tv)
+        on_sample, on_greedy = 1.0 - g, g
+    per = per + w_conf * bce * on_sample
     bce_g = None
     if z_greedy is not None:
         bce_g = F.binary_cross_entropy_with_logits(z_greedy, match, reduction="none")
-        per = per + w_conf * bce_g
+        per = per + w_conf * bce_g * on_greedy
     loss = (per * w).sum() / denom
     with torch.no_grad():
         vf = valid.float().reshape(-1, gamma)
