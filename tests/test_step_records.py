@@ -21,7 +21,7 @@ import pytest
 from dspark_obs import schema, validation
 from dspark_obs.cost_table import AdditiveCostTable
 from dspark_obs.engine.drafter import Drafter
-from dspark_obs.engine.loop import Engine, EngineConfig, GenRequest
+from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.model import Target
 from dspark_obs.engine.step_records import (
     PgEntries,
@@ -30,6 +30,7 @@ from dspark_obs.engine.step_records import (
     StepRecordBuilder,
     StepRecordError,
 )
+from dspark_obs.engine.types import EngineConfig, GenRequest
 from dspark_obs.testing.tiny_models import tiny_pair
 
 VOCAB = 6
