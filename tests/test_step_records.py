@@ -1,8 +1,9 @@
-"""Column-wise step records: the builder's tables equal today's row dicts, field by field.
+"""Column-wise step records: the builder's tables equal validated row dicts, field by field.
 
 A real engine run (tiny random models, CPU, every mode, greedy and sampled requests, a cost
-table that trims windows so the estimator fields are filled) emits its row dicts; the same
-steps handed to ``StepRecordBuilder`` as arrays must give tables equal to
+table that trims windows so the estimator fields are filled) emits its records (the engine
+builds them with ``StepRecordBuilder``; here they are read back as row dicts); the same steps
+rebuilt as arrays from those rows and handed to a fresh builder must give tables equal to
 ``validation.validate(rows)``, schema and values, with nothing left for validate to drop.
 """
 
