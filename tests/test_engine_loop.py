@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import replace
 
 import numpy as np
@@ -220,12 +221,14 @@ def test_every_bad_sampling_setting_is_refused_before_anything_is_written() -> N
 
 
 class _ArrivalSink:
-    """Records how many step rows each hand-over carries."""
+    """Records how many step rows each hand-over carries, and on which thread it came."""
 
     def __init__(self) -> None:
         self.sizes: list[int] = []
+        self.threads: set[str] = set()
 
     def emit(self, table: str, rows: list) -> None:
+        self.threads.add(threading.current_thread().name)
         if table == "steps":
             self.sizes.append(len(rows))
 
@@ -240,6 +243,7 @@ def test_records_reach_sinks_every_n_steps_or_every_interval_whichever_first() -
     )
     sizes = by_count.sizes
     assert sum(sizes) == res.steps and set(sizes[:-1]) == {4} and sizes[-1] <= 4
+    assert by_count.threads == {"dspark-obs-records"}  # built and emitted off the decode thread
     # by time: a huge count, every 5 s of an injected clock that advances 1 s per reading
     # (the loop reads it once at the start and once per step)
     by_time = _ArrivalSink()
@@ -294,3 +298,19 @@ def test_ignore_eos_runs_to_the_length_limit_and_eos_stops_otherwise(mode: str) 
             assert res.outputs[r.rid] == full[: full.index(stop) + 1]
             assert finished[r.rid] == "stop"
     assert finished[base[0].rid] == "stop"
+
+
+def test_a_failing_emit_fails_the_run_at_a_later_hand_over_and_leaves_no_thread() -> None:
+    target, drafter = _models(2)
+    reqs = [replace(r, max_new_tokens=40, arrival_step=0) for r in _requests(2, seed=2)]
+    calls: list[str] = []
+
+    def emit(table: str, rows: list) -> None:
+        calls.append(table)
+        raise OSError("store gone")
+
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(OSError, match="store gone"):
+        Engine(target, drafter, EngineConfig(flush_every=2)).run(reqs, emit, "f")
+    assert calls[0] == "steps" and len(calls) == 1  # the worker stopped at its first failure
+    assert {t.name for t in threading.enumerate()} <= before
