@@ -29,9 +29,10 @@ import torch
 
 from dspark_obs.engine import batched
 from dspark_obs.engine.draft_vocab import draft_vocab, load_ranking
-from dspark_obs.engine.loop import Engine, EngineConfig
+from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.no_spec import run_no_spec
 from dspark_obs.engine.session import load_cost_table, load_models, traffic_to_requests
+from dspark_obs.engine.types import EngineConfig
 from dspark_obs.fanout import FanOut, MemorySink
 from dspark_obs.testing.throughput_bench import build_queue, queue_size
 from dspark_obs.workloads import load_traffic

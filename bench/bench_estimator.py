@@ -29,13 +29,13 @@ from dspark_obs.analytics import (
     validate_estimator,
     window_stats,
 )
-from dspark_obs.engine.loop import EngineConfig
 from dspark_obs.engine.session import (
     load_cost_table,
     load_models,
     run_with_companion,
     traffic_to_requests,
 )
+from dspark_obs.engine.types import EngineConfig
 from dspark_obs.fanout import MemorySink
 from dspark_obs.workloads import mixed_traffic
 

@@ -92,7 +92,7 @@ def build_requests(
 ) -> list[Any]:
     """``n`` eval prompts of each workload per replicate (seeded by the replicate) as requests;
     rids name the replicate (``-r{rep}-``)."""
-    from dspark_obs.engine.loop import GenRequest
+    from dspark_obs.engine.types import GenRequest
     from dspark_obs.engine.weights import encode_chat
     from dspark_obs.workloads import load_prompts
 
@@ -119,7 +119,7 @@ def run_cell(
     """Replicates ``reps`` decoded in one batch: the cap-accept run (with compact's estimator
     fields) as req_steps rows, each request's finish_reason attached, and each replicate's
     rows under its own run_id (the estimator sees one replicate at a time)."""
-    from dspark_obs.engine.loop import EngineConfig
+    from dspark_obs.engine.types import EngineConfig
     from dspark_obs.fanout import FanOut, MemorySink
 
     reqs = build_requests(cell, reps, args.per_workload, args.new_tokens, models.tokenizer)

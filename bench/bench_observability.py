@@ -34,7 +34,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dspark_obs.engine.loop import EngineConfig, GenRequest
 from dspark_obs.engine.session import (
     Models,
     load_cost_table,
@@ -42,6 +41,7 @@ from dspark_obs.engine.session import (
     run_with_companion,
     traffic_to_requests,
 )
+from dspark_obs.engine.types import EngineConfig, GenRequest
 from dspark_obs.sinks import OtelSink, PrometheusSink
 from dspark_obs.sinks.serve import start_http
 from dspark_obs.store import Store

@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
-from dspark_obs.engine.loop import Engine, EngineConfig
+from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.session import load_cost_table, load_models, traffic_to_requests
+from dspark_obs.engine.types import EngineConfig
 from dspark_obs.fanout import FanOut, MemorySink
 from dspark_obs.workloads import load_traffic
 

@@ -59,13 +59,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspark_obs.engine.loop import Engine, EngineConfig, GenRequest
+from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.session import (
     Models,
     load_cost_table,
     load_models,
     traffic_to_requests,
 )
+from dspark_obs.engine.types import EngineConfig, GenRequest
 from dspark_obs.fanout import FanOut, RecordSink
 from dspark_obs.sinks import OtelSink, PrometheusSink
 from dspark_obs.sinks.serve import start_http

@@ -29,18 +29,19 @@ from typing import Any
 
 import torch
 
-from dspark_obs.engine import batched
-from dspark_obs.engine.loop import Engine, EngineConfig
+from dspark_obs.engine import slots
+from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.no_spec import run_no_spec
 from dspark_obs.engine.session import load_models, traffic_to_requests
+from dspark_obs.engine.types import EngineConfig
 from dspark_obs.fanout import FanOut, MemorySink
 from dspark_obs.workloads import load_traffic
 
 OLD_TIERS = {
     "batch_tiers": (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128),
-    "token_tiers": tuple(t for t in batched.TOKEN_TIERS if t <= 1024),
+    "token_tiers": tuple(t for t in slots.TOKEN_TIERS if t <= 1024),
 }
-NEW_TIERS = {"batch_tiers": batched.BATCH_TIERS, "token_tiers": batched.TOKEN_TIERS}
+NEW_TIERS = {"batch_tiers": slots.BATCH_TIERS, "token_tiers": slots.TOKEN_TIERS}
 
 
 def log(msg: str) -> None:

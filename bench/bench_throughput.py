@@ -68,9 +68,10 @@ from typing import Any
 
 import torch
 
-from dspark_obs.engine.loop import Engine, EngineConfig, GenRequest
+from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.no_spec import run_no_spec
 from dspark_obs.engine.session import load_cost_table, load_models, traffic_to_requests
+from dspark_obs.engine.types import EngineConfig, GenRequest
 from dspark_obs.fanout import FanOut, MemorySink
 from dspark_obs.testing.throughput_bench import (
     POOLED,

@@ -28,8 +28,10 @@ import pandas as pd
 import torch
 
 from dspark_obs.analytics import coverage, estimate_blocks, pair_companion, validate_estimator
-from dspark_obs.engine.loop import ESTIMATOR_MIN_TEMPERATURE, Engine, EngineConfig, GenRequest
+from dspark_obs.engine.censored import ESTIMATOR_MIN_TEMPERATURE
+from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.session import load_cost_table, load_models, traffic_to_requests
+from dspark_obs.engine.types import EngineConfig, GenRequest
 from dspark_obs.fanout import FanOut, MemorySink
 from dspark_obs.testing.tiny_models import tiny_models
 from dspark_obs.workloads import mixed_traffic

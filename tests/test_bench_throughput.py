@@ -217,9 +217,9 @@ def test_plots_and_table_written(tmp_path: Path) -> None:
 
 
 def test_hf_conversion_matches_target_and_run_no_spec() -> None:
-    from dspark_obs.engine.loop import GenRequest
     from dspark_obs.engine.model import ModelConfig, Target
     from dspark_obs.engine.no_spec import run_no_spec
+    from dspark_obs.engine.types import GenRequest
 
     torch.manual_seed(0)
     target = Target(ModelConfig.tiny(tie_embeddings=False)).eval()

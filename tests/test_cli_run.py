@@ -237,8 +237,8 @@ def test_a_prompt_at_the_context_edge_runs_and_one_past_is_refused_before_any_ro
 
     from test_sinks_prometheus import trimming_config
 
-    from dspark_obs.engine.loop import EngineError, GenRequest
     from dspark_obs.engine.session import run_with_companion
+    from dspark_obs.engine.types import EngineError, GenRequest
     from dspark_obs.testing.tiny_models import tiny_models
 
     models = tiny_models()

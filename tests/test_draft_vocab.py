@@ -11,8 +11,9 @@ import torch
 
 from dspark_obs.engine.draft_vocab import draft_vocab, load_ranking, rank_tokens, save_ranking
 from dspark_obs.engine.drafter import Drafter
-from dspark_obs.engine.loop import Engine, EngineConfig, GenRequest
+from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.model import Target
+from dspark_obs.engine.types import EngineConfig, GenRequest
 from dspark_obs.fanout import FanOut, MemorySink
 from dspark_obs.testing.tiny_models import tiny_pair
 from tests.test_engine_loop import _trimming_table

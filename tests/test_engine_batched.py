@@ -10,18 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_obs.engine.batched import (
-    BatchedRuntime,
-    Pack,
-    shared_runtime,
-    tier_of,
-)
+from dspark_obs.engine.batched import BatchedRuntime, shared_runtime
 from dspark_obs.engine.drafter import Drafter
-from dspark_obs.engine.loop import Engine, EngineConfig, EngineError, GenRequest
+from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.model import Target
 from dspark_obs.engine.no_spec import run_no_spec
 from dspark_obs.engine.reference import ReferenceRuntime
 from dspark_obs.engine.runtime import Runtime
+from dspark_obs.engine.slots import Pack, tier_of
+from dspark_obs.engine.types import EngineConfig, EngineError, GenRequest
 from dspark_obs.fanout import FanOut, MemorySink
 from dspark_obs.testing.tiny_models import tiny_pair
 

@@ -62,7 +62,8 @@ def test_companion_pairs_identically_and_bracket_holds_truth_under_sampling() ->
 def _sampled_pair(seed: int, config: dict | None = None, **sampling):
     from dataclasses import replace
 
-    from dspark_obs.engine.loop import Engine, EngineConfig
+    from dspark_obs.engine.loop import Engine
+    from dspark_obs.engine.types import EngineConfig
     from dspark_obs.fanout import FanOut, MemorySink
 
     target, drafter = _models(seed)
@@ -185,7 +186,8 @@ def test_sweep_companion_rows_are_the_compact_rows_plus_cap_trim(temperature, sa
     field, under a forced budget (the sweep's trimming), for every sampling setting."""
     from dataclasses import replace
 
-    from dspark_obs.engine.loop import Engine, EngineConfig
+    from dspark_obs.engine.loop import Engine
+    from dspark_obs.engine.types import EngineConfig
     from dspark_obs.fanout import FanOut, MemorySink
 
     sweep = _sweep_module()
@@ -232,7 +234,8 @@ def test_engine_rows_equal_what_block_accept_recorder_writes(temperature, sampli
     from dataclasses import replace
 
     from dspark_obs.analytics.estimator_recorder import BlockAcceptRecorder
-    from dspark_obs.engine.loop import Engine, EngineConfig
+    from dspark_obs.engine.loop import Engine
+    from dspark_obs.engine.types import EngineConfig
     from dspark_obs.fanout import FanOut, MemorySink
 
     target, drafter = _models(12)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import time
+import itertools
+import threading
 from dataclasses import replace
 
 import numpy as np
@@ -11,8 +12,9 @@ import torch
 
 from dspark_obs.cost_table import AdditiveCostTable, CostTable
 from dspark_obs.engine.drafter import Drafter
-from dspark_obs.engine.loop import Engine, EngineConfig, EngineError, GenRequest
+from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.model import Target
+from dspark_obs.engine.types import EngineConfig, EngineError, GenRequest
 from dspark_obs.fanout import FanOut, MemorySink
 from dspark_obs.testing.tiny_models import tiny_pair
 
@@ -219,14 +221,16 @@ def test_every_bad_sampling_setting_is_refused_before_anything_is_written() -> N
 
 
 class _ArrivalSink:
-    """Records when each hand-over arrives and how many step rows it carries."""
+    """Records how many step rows each hand-over carries, and on which thread it came."""
 
     def __init__(self) -> None:
-        self.arrivals: list[tuple[float, int]] = []
+        self.sizes: list[int] = []
+        self.threads: set[str] = set()
 
     def emit(self, table: str, rows: list) -> None:
+        self.threads.add(threading.current_thread().name)
         if table == "steps":
-            self.arrivals.append((time.perf_counter(), len(rows)))
+            self.sizes.append(len(rows))
 
 
 def test_records_reach_sinks_every_n_steps_or_every_interval_whichever_first() -> None:
@@ -237,26 +241,24 @@ def test_records_reach_sinks_every_n_steps_or_every_interval_whichever_first() -
     res = Engine(target, drafter, EngineConfig(flush_every=4, flush_seconds=1e9)).run(
         reqs, by_count.emit, "n"
     )
-    sizes = [n for _, n in by_count.arrivals]
+    sizes = by_count.sizes
     assert sum(sizes) == res.steps and set(sizes[:-1]) == {4} and sizes[-1] <= 4
-    # by time: a huge count, every 5 s of an injected clock that each step advances by 1 s
+    assert by_count.threads == {"dspark-obs-records"}  # built and emitted off the decode thread
+    # by time: a huge count, every 5 s of an injected clock that advances 1 s per reading
+    # (the loop reads it once at the start and once per step)
     by_time = _ArrivalSink()
-    clock = [0.0]
+    ticks = itertools.count(1)
     eng = Engine(
         target, drafter, EngineConfig(flush_every=10**9, flush_seconds=5.0),
-        clock=lambda: clock[0],
-    )
-    real_step = eng._step
-
-    def timed_step(*args, **kwargs):
-        clock[0] += 1.0
-        return real_step(*args, **kwargs)
-
-    eng._step = timed_step  # type: ignore[method-assign]
+        clock=lambda: float(next(ticks)),
+    )  # fmt: skip
     res = eng.run(reqs, by_time.emit, "t")
-    sizes = [n for _, n in by_time.arrivals]
+    sizes = by_time.sizes
     assert sum(sizes) == res.steps and res.steps > 10
     assert set(sizes[:-1]) == {5} and 1 <= sizes[-1] <= 5
+    # the record worker's queue: one hand-over per flush, every step row, nothing failed
+    rec = res.records
+    assert rec is not None and (rec.enqueued, rec.done, rec.failed) == (len(sizes), len(sizes), 0)
 
 
 def test_compact_with_an_uninitialized_1d_table_verifies_everything_as_sglang() -> None:
@@ -296,3 +298,19 @@ def test_ignore_eos_runs_to_the_length_limit_and_eos_stops_otherwise(mode: str) 
             assert res.outputs[r.rid] == full[: full.index(stop) + 1]
             assert finished[r.rid] == "stop"
     assert finished[base[0].rid] == "stop"
+
+
+def test_a_failing_emit_fails_the_run_at_a_later_hand_over_and_leaves_no_thread() -> None:
+    target, drafter = _models(2)
+    reqs = [replace(r, max_new_tokens=40, arrival_step=0) for r in _requests(2, seed=2)]
+    calls: list[str] = []
+
+    def emit(table: str, rows: list) -> None:
+        calls.append(table)
+        raise OSError("store gone")
+
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(OSError, match="store gone"):
+        Engine(target, drafter, EngineConfig(flush_every=2)).run(reqs, emit, "f")
+    assert calls[0] == "steps" and len(calls) == 1  # the worker stopped at its first failure
+    assert {t.name for t in threading.enumerate()} <= before

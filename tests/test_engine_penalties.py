@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_obs.engine.loop import MASKED_LOGIT, Engine, EngineConfig, EngineError, GenRequest
+from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.model import Target
 from dspark_obs.engine.penalties import OutputCounts, Penalties
+from dspark_obs.engine.types import MASKED_LOGIT, EngineConfig, EngineError, GenRequest
 from dspark_obs.fanout import FanOut, MemorySink
 from dspark_obs.testing.tiny_models import tiny_pair
 from tests.sglang_penalties import load_penaltylib, sglang_penalized

@@ -258,7 +258,8 @@ def test_lane_refuses_a_zero_capacity() -> None:
 def test_engine_records_through_a_threaded_fanout_equal_the_inline_ones() -> None:
     from test_step_records import GAMMA, _models, _requests, _trimming_table
 
-    from dspark_obs.engine.loop import Engine, EngineConfig
+    from dspark_obs.engine.loop import Engine
+    from dspark_obs.engine.types import EngineConfig
 
     target, drafter = _models()
     cfg = EngineConfig(

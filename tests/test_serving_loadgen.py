@@ -32,8 +32,6 @@ def test_concurrency_caps_requests_in_flight():
     assert all(r.ok for r in capped.results) and len(capped.warmup) == 1
     assert sent[0] == "q0-warmup0" and sent.count("q0-warmup0") == 1  # warm-up: first, once
     assert _max_in_flight(capped) == 2 and _max_in_flight(wide) == 6
-    # Three waves of ~0.15 s against one: the wall time shows the cap.
-    assert capped.duration >= 3 * 0.15 and wide.duration < capped.duration
 
 
 def test_poisson_arrivals_are_seeded_and_paced():

@@ -28,7 +28,8 @@ import pytest
 
 from dspark_obs.analytics import build_report
 from dspark_obs.cost_table import CostTable
-from dspark_obs.engine.loop import Engine, EngineConfig, GenRequest
+from dspark_obs.engine.loop import Engine
+from dspark_obs.engine.types import EngineConfig, GenRequest
 from dspark_obs.fanout import FanOut
 from dspark_obs.serving.client import GenerationRequest
 from dspark_obs.sglang.collector import Collector, CollectorOptions

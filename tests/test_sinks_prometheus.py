@@ -21,8 +21,8 @@ from dspark_obs.analytics.companion import step_ceilings
 from dspark_obs.analytics.estimator import estimate_blocks
 from dspark_obs.analytics.windows import window_stats
 from dspark_obs.cost_table import AdditiveCostTable
-from dspark_obs.engine.loop import EngineConfig, GenRequest
 from dspark_obs.engine.session import run_with_companion
+from dspark_obs.engine.types import EngineConfig, GenRequest
 from dspark_obs.fanout import FanOut, MemorySink
 from dspark_obs.sinks import PrometheusSink, telemetry_sinks
 from dspark_obs.sinks.catalog import METRICS, token_buckets

@@ -1,8 +1,9 @@
-"""Column-wise step records: the builder's tables equal today's row dicts, field by field.
+"""Column-wise step records: the builder's tables equal validated row dicts, field by field.
 
 A real engine run (tiny random models, CPU, every mode, greedy and sampled requests, a cost
-table that trims windows so the estimator fields are filled) emits its row dicts; the same
-steps handed to ``StepRecordBuilder`` as arrays must give tables equal to
+table that trims windows so the estimator fields are filled) emits its records (the engine
+builds them with ``StepRecordBuilder``; here they are read back as row dicts); the same steps
+rebuilt as arrays from those rows and handed to a fresh builder must give tables equal to
 ``validation.validate(rows)``, schema and values, with nothing left for validate to drop.
 """
 
@@ -21,7 +22,7 @@ import pytest
 from dspark_obs import schema, validation
 from dspark_obs.cost_table import AdditiveCostTable
 from dspark_obs.engine.drafter import Drafter
-from dspark_obs.engine.loop import Engine, EngineConfig, GenRequest
+from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.model import Target
 from dspark_obs.engine.step_records import (
     PgEntries,
@@ -30,6 +31,7 @@ from dspark_obs.engine.step_records import (
     StepRecordBuilder,
     StepRecordError,
 )
+from dspark_obs.engine.types import EngineConfig, GenRequest
 from dspark_obs.testing.tiny_models import tiny_pair
 
 VOCAB = 6

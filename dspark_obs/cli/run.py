@@ -92,7 +92,6 @@ def run_command(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from dspark_obs.cost_table import CostTableError
-    from dspark_obs.engine.loop import EngineConfig, EngineError
     from dspark_obs.engine.session import (
         load_cost_table,
         load_models,
@@ -100,6 +99,7 @@ def run_command(
         run_with_companion,
         traffic_to_requests,
     )
+    from dspark_obs.engine.types import EngineConfig, EngineError
     from dspark_obs.fanout import SinkError
     from dspark_obs.store import Store, StoreError
     from dspark_obs.sts_file import StsCalibration
@@ -202,8 +202,11 @@ def run_command(
             f"{res.committed_tokens} tokens in {res.seconds:.1f}s "
             f"({res.tokens_per_second:.1f} tok/s), target processed {res.target_tokens}"
         )
+    queues = [f"{r.run_id} {r.records.line()}" for r in (main, comp) if r and r.records]
     if fan.summary():
-        console.print("sink queues (backpressure):\n" + fan.summary())
+        queues.append(fan.summary())
+    if queues:
+        console.print("record and sink queues (backpressure):\n" + "\n".join(queues))
     if fan.errors:
         console.print(
             f"[yellow]{len(fan.errors)} records rejected[/yellow]; first: {fan.errors[0]}"
@@ -282,7 +285,6 @@ def profile_command(
     from dspark_obs.cost_table import CostTableError
     from dspark_obs.engine.drafter import Drafter
     from dspark_obs.engine.drafter_config import DrafterConfig
-    from dspark_obs.engine.loop import EngineError
     from dspark_obs.engine.profile import parse_batch_sizes, parse_fractions, profile_steps
     from dspark_obs.engine.profile_report import (
         evaluate_fits,
@@ -291,6 +293,7 @@ def profile_command(
         save_samples,
     )
     from dspark_obs.engine.session import DEFAULT_DRAFTER
+    from dspark_obs.engine.types import EngineError
     from dspark_obs.engine.weights import encode_chat, load_smollm2
     from dspark_obs.workloads import load_prompts
 

@@ -81,7 +81,7 @@ def engine_server_command(
     /server_info step dump, /metrics, /set_internal_state), so the collector, the driver and
     any OpenAI client work against it without a GPU."""
     from dspark_obs.cost_table import CostTableError
-    from dspark_obs.engine.loop import EngineError
+    from dspark_obs.engine.types import EngineError
     from dspark_obs.sglang.engine_server import (
         EngineServer,
         ServerError,

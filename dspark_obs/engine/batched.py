@@ -4,13 +4,14 @@ preallocated slot pool for the KV caches, and CUDA graphs keyed by packed token 
 Why it exists: the reference path (:class:`~dspark_obs.engine.model.Target` with one
 :class:`~dspark_obs.engine.model.KVCache` per request) runs attention once per request in
 every layer and rebuilds the drafter's context every step, so on a GPU the step time is
-per-request Python work, not tokens. Here:
+per-request Python work, not tokens. Here (the parts live in :mod:`dspark_obs.engine.slots`):
 
-* :class:`SlotPool` holds every running request's target K/V and drafter context K/V in two
-  preallocated tensors ``[layers, 2, slots + 1, kv_heads, max_len, head_dim]``; a request owns
-  one slot, its length is an integer on the host, and rolling back rejected drafts is moving
-  that integer (O(1)). The last slot is scratch for padding rows. Slots stay dense
-  (``0..B-1``): a finishing request's slot takes the highest one's contents.
+* :class:`~dspark_obs.engine.slots.SlotPool` holds every running request's target K/V and
+  drafter context K/V in two preallocated tensors
+  ``[layers, 2, slots + 1, kv_heads, max_len, head_dim]``; a request owns one slot, its length
+  is an integer on the host, and rolling back rejected drafts is moving that integer (O(1)).
+  The last slot is scratch for padding rows. Slots stay dense (``0..B-1``): a finishing
+  request's slot takes the highest one's contents.
 * :func:`~dspark_obs.engine.packed.target_forward` packs every request's new tokens into one
   ``[N, d]`` sequence for the dense layers and runs ONE scaled-dot-product attention per
   layer over the batch, queries scattered into a ``[B, Q]`` grid (``Q`` = the widest
@@ -20,10 +21,11 @@ per-request Python work, not tokens. Here:
 * The verify pass also writes the drafter's context K/V for every verified row (projected
   target features), so drafting needs no per-request cache work: rows past the accepted
   length are never visible (the drafter masks by committed length) and get overwritten.
-* :class:`GraphBank` captures a CUDA graph per ``(Q, batch tier, token tier, span tier)`` for
-  verify and per ``(batch tier, span tier)`` for the drafter; a step pads to the nearest
-  captured tier, so a trimmed batch replays a smaller graph. On the CPU (or with graphs off)
-  the same functions run eagerly at exact sizes: CI tests this path.
+* :class:`~dspark_obs.engine.slots.GraphBank` captures a CUDA graph per
+  ``(Q, batch tier, token tier, span tier)`` for verify and per ``(batch tier, span tier)``
+  for the drafter; a step pads to the nearest captured tier, so a trimmed batch replays a
+  smaller graph. On the CPU (or with graphs off) the same functions run eagerly at exact
+  sizes: CI tests this path.
 
 Everything numeric is the reference path's own modules (norms, projections, rotary tables,
 the drafter's Markov recursion); only the data layout and the launch pattern differ.
@@ -31,12 +33,11 @@ the drafter's Markov recursion); only the data layout and the launch pattern dif
 
 from __future__ import annotations
 
-import bisect
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -45,201 +46,18 @@ from torch import Tensor
 from dspark_obs.engine.drafter import DraftBlock, Drafter
 from dspark_obs.engine.model import Target
 from dspark_obs.engine.packed import drafter_extend, drafter_states, target_forward
-
-__all__ = [
-    "BATCH_TIERS",
-    "LENGTH_TIERS",
-    "TOKEN_TIERS",
-    "BatchedRuntime",
-    "GraphBank",
-    "Pack",
-    "SlotPool",
-    "shared_runtime",
-    "tier_of",
-]
-
-BATCH_TIERS: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-"""Running-request counts a graph is captured for (a batch pads up to the next one)."""
-
-TOKEN_TIERS: tuple[int, ...] = (
-    *range(1, 17),
-    *range(20, 65, 4),
-    *range(72, 129, 8),
-    *range(144, 257, 16),
-    *range(288, 513, 32),
-    *range(576, 1025, 64),
-    *range(1152, 1537, 128),
+from dspark_obs.engine.slots import (
+    BATCH_TIERS,
+    LENGTH_TIERS,
+    TOKEN_TIERS,
+    GraphBank,
+    Pack,
+    SlotPool,
+    round_up,
+    tier_of,
 )
-"""Packed token counts a verify graph is captured for: fine steps where a step is cheap, up to
-a full static step at batch 256 (256 x 6): a step past the largest tier runs eagerly, which at
-batch 256 cost more than the whole graphed step (bench/bench_step_profile.py)."""
 
-
-LENGTH_TIERS: tuple[int, ...] = (
-    64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192,
-)
-"""Cache spans attention reads (a step reads the smallest span covering its longest slot)."""
-
-
-def tier_of(n: int, tiers: Sequence[int]) -> int:
-    """Smallest tier >= n (n itself past the largest: that step then runs eagerly)."""
-    i = bisect.bisect_left(tiers, n)
-    return tiers[i] if i < len(tiers) else n
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-# --------------------------------------------------------------------------- the slot pool
-class SlotPool:
-    """Device K/V of every running request, target and drafter, one slot each.
-
-    ``lengths[s]`` is slot s's committed positions: the target cache's length and the
-    drafter context's ``num_positions`` at once (both hold the same positions).
-    """
-
-    def __init__(
-        self, target: Target, drafter: Drafter | None, slots: int, max_len: int
-    ) -> None:
-        cfg = target.cfg
-        if not 0 < max_len <= cfg.max_position:
-            raise ValueError(f"max_len must be in 1..{cfg.max_position}, got {max_len}")
-        self.slots = slots
-        self.max_len = max_len
-        self.trash = slots  # scratch slot for padding rows
-        dev, dt = target.device, target.dtype
-        self.kv = torch.zeros(
-            cfg.num_layers, 2, slots + 1, cfg.num_kv_heads, max_len, cfg.head_dim,
-            device=dev, dtype=dt,
-        )
-        self.dkv: Tensor | None = None
-        if drafter is not None:
-            d = drafter.cfg
-            self.dkv = torch.zeros(
-                d.num_layers, 2, slots + 1, d.num_kv_heads, max_len, d.head_dim,
-                device=dev, dtype=drafter.fc.weight.dtype,
-            )
-        self.lengths = np.zeros(slots + 1, dtype=np.int64)
-
-    def move(self, src: int, dst: int) -> None:
-        """Slot ``dst`` takes slot ``src``'s caches (to keep running slots dense)."""
-        n = int(self.lengths[src])
-        self.kv[:, :, dst, :, :n] = self.kv[:, :, src, :, :n]
-        if self.dkv is not None:
-            self.dkv[:, :, dst, :, :n] = self.dkv[:, :, src, :, :n]
-        self.lengths[dst] = n
-        self.lengths[src] = 0
-
-
-# --------------------------------------------------------------------------- packing
-@dataclass
-class Pack:
-    """Host-side index arrays of one packed forward, padded to ``(batch, tokens)``.
-
-    Row r of the packed sequence is token ``tokens[r]`` of slot ``slot[r]`` at position
-    ``pos[r]``; ``qidx[r]`` is its cell in the flattened ``[batch, Q]`` query grid. Padding
-    rows write into the scratch slot and the grid's spare last cell.
-    """
-
-    tokens: np.ndarray
-    slot: np.ndarray
-    pos: np.ndarray
-    qidx: np.ndarray
-    past: np.ndarray  # [batch]: each grid row's cache length before this forward
-    n: int  # real rows
-    batch: int
-    q: int
-    counts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    row_slot: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-
-    @classmethod
-    def build(
-        cls,
-        slots: Sequence[int],
-        tokens: Sequence[Sequence[int]],
-        starts: Sequence[int],
-        *,
-        q: int,
-        batch: int,
-        rows: int,
-        trash: int,
-        gather: bool = False,
-    ) -> Pack:
-        """Slot ``slots[i]`` gets ``tokens[i]`` at positions ``starts[i] + arange``.
-
-        The query grid's row for request i is its slot (decode: the grid covers slots
-        ``0..batch-1`` and reads their caches in place) or, with ``gather``, i itself (the
-        grid covers only these requests; attention gathers their slots' caches): what a
-        prefill of a few requests wants, whatever their slot numbers."""
-        counts = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
-        n = int(counts.sum())
-        slot_arr = np.asarray(slots, dtype=np.int64)
-        grid_row = np.arange(len(slots), dtype=np.int64) if gather else slot_arr
-        if n > rows or (len(slots) and grid_row.max() >= batch) or (counts > q).any():
-            raise ValueError(f"pack of {n} tokens does not fit ({batch}, {rows}, q={q})")
-        within = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)
-        owner = np.repeat(slot_arr, counts)
-        tok = np.zeros(rows, dtype=np.int64)
-        tok[:n] = np.fromiter((x for t in tokens for x in t), dtype=np.int64, count=n)
-        slot = np.full(rows, trash, dtype=np.int64)
-        slot[:n] = owner
-        pos = np.zeros(rows, dtype=np.int64)
-        pos[:n] = np.repeat(np.asarray(starts, dtype=np.int64), counts) + within
-        qidx = np.full(rows, batch * q, dtype=np.int64)
-        qidx[:n] = np.repeat(grid_row, counts) * q + within
-        past = np.zeros(batch, dtype=np.int64)
-        past[grid_row] = starts
-        row_slot = np.full(batch, trash, dtype=np.int64)
-        row_slot[grid_row] = slot_arr
-        return cls(tok, slot, pos, qidx, past, n, batch, q, counts, row_slot)
-
-
-# --------------------------------------------------------------------------- CUDA graphs
-class GraphBank:
-    """CUDA graphs of one step function, captured lazily per key, replayed with fresh inputs.
-
-    ``fn(**inputs)`` must be graph-safe (no host syncs, fixed shapes per key). Inputs are
-    copied into the key's static buffers before each replay; outputs are the static output
-    tensors (valid until that key is replayed again). All graphs share one memory pool.
-    """
-
-    def __init__(self, fn: Callable[..., tuple[Tensor, ...]], device: torch.device) -> None:
-        self.fn = fn
-        self.device = device
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, Tensor], tuple]] = {}
-        self.pool: object | None = None
-        self.capture_seconds = 0.0
-
-    def __contains__(self, key: tuple) -> bool:
-        return key in self.graphs
-
-    def capture(self, key: tuple, inputs: dict[str, Tensor]) -> None:
-        t0 = time.perf_counter()
-        static = {k: v.clone() for k, v in inputs.items()}
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside capture (allocator, library handles)
-                self.fn(**static)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.fn(**static)
-        self.graphs[key] = (graph, static, out)
-        self.capture_seconds += time.perf_counter() - t0
-
-    def run(self, key: tuple, inputs: dict[str, Tensor]) -> tuple[Tensor, ...]:
-        if key not in self.graphs:
-            self.capture(key, inputs)
-        graph, static, out = self.graphs[key]
-        for name, value in inputs.items():
-            static[name].copy_(value, non_blocking=True)
-        graph.replay()
-        return out
-
+__all__ = ["BatchedRuntime", "VerifyOut", "shared_runtime"]
 
 # --------------------------------------------------------------------------- the runtime
 @dataclass
@@ -302,7 +120,7 @@ class BatchedRuntime:
     def _new_pool(self, max_batch: int, max_len: int) -> SlotPool:
         slots = tier_of(max_batch, self.batch_tiers) if self.graphs_on else max_batch
         limit = self.target.cfg.max_position
-        pool = SlotPool(self.target, self.drafter, slots, min(_round_up(max_len, 64), limit))
+        pool = SlotPool(self.target, self.drafter, slots, min(round_up(max_len, 64), limit))
         anchors = np.zeros(slots + 1, dtype=np.int64)
         keep = min(len(self._anchors), len(anchors)) - 1
         anchors[:keep] = self._anchors[:keep]
@@ -422,7 +240,7 @@ class BatchedRuntime:
     def _span(self, end: int) -> int:
         if self.graphs_on:
             return min(tier_of(end, self.length_tiers), self.pool.max_len)
-        return min(_round_up(end, 64), self.pool.max_len)
+        return min(round_up(end, 64), self.pool.max_len)
 
     def _device(self, arr: np.ndarray) -> Tensor:
         return torch.from_numpy(arr).to(self.device, non_blocking=True)

@@ -34,6 +34,7 @@ class Live:
     censored: list[Censored] = field(default_factory=list)
     stops: frozenset[int] = frozenset()  # the engine's EOS ids + the request's stop ids
     counts: OutputCounts | None = None  # output token counts (penalized requests only)
+    rec: int = -1  # the request's index in the run's StepRecordBuilder (register)
 
     def masked_rows(self, rows: int) -> int:
         """How many of the next ``rows`` output positions still fall under

@@ -1,16 +1,12 @@
-"""The embedded DSpark decode loop: continuous batching, drafting, scheduling, verification.
+"""The embedded DSpark decode loop: continuous batching and the request lifecycle.
 
-One step for the running batch:
+Each loop iteration:
 
-1. admit arrivals (prefill: the first token comes from the prompt's last logits);
-2. draft a block of ``gamma`` tokens per request (the drafter's context cache receives the
-   target features of what the previous step committed);
-3. plan windows: ``static`` verifies everything; ``compact`` and ``cap-accept`` ask the
-   scheduler (SPS-argmax budget on lagged survival, top-b allocation on current survival);
-4. verify with ONE packed target forward: ``compact`` sends ``verify_len`` tokens per request
-   (so the forward processes ``sum(verify_len)`` tokens), the other modes send ``gamma + 1``;
-5. accept (greedy or lossless rejection sampling), roll back the KV caches, commit;
-6. emit a step record with one req-step row per request through the producer interface.
+1. applies cancels and polls the request ``source`` (a server's queue);
+2. admits arrivals (prefill: the first token comes from the prompt's last logits);
+3. runs one decode step for the running batch (:class:`~dspark_obs.engine.step.StepPipeline`:
+   draft, plan windows, verify with one packed target forward, accept, commit);
+4. frees the slots of finished requests and hands records over when due.
 
 Each request owns a ``torch.Generator`` seeded by its own seed, and every mode consumes the
 same draws per step, so a ``cap-accept`` companion of a ``compact`` run commits the same
@@ -28,15 +24,22 @@ skips greedy and truncated rows, and whole steps whose batch has a penalty or
 
 The loop drives one :class:`~dspark_obs.engine.runtime.Runtime` (the reference per-request
 runtime or the batched slot pool, chosen once per run by ``engine_runtime``) and never asks
-which; a step's numbers become records in :mod:`dspark_obs.engine.step_rows`.
+which.
 
-Records reach ``emit`` every ``flush_every`` steps or ``flush_seconds`` (default 1 s) after
-the previous hand-over, whichever comes first, so live readers see progress and a kill loses
-at most about a second of steps that were not yet handed over.
+Records are column-wise and leave the decode thread: each step hands its arrays to the run's
+:class:`~dspark_obs.engine.step_records.StepRecordBuilder`; every ``flush_every`` steps or
+``flush_seconds`` (default 1 s) after the previous hand-over, whichever comes first, the
+steps taken so far go to a :class:`~dspark_obs.engine.step_records.RecordWorker`, whose
+thread builds the ``steps`` / ``req_steps`` Arrow tables and calls ``emit`` with them (then
+with the ``requests`` rows of the requests that finished in those steps). Its queue is
+bounded: a full one makes the decode loop wait, counted in ``RunResult.records`` (measured
+backpressure, never a drop). ``run`` returns once everything was emitted; a kill loses at
+most about a second of steps that were not yet handed over.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import threading
@@ -45,32 +48,19 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-import numpy as np
 import torch
 
-from dspark_obs.analytics.estimator_recorder import sglang_skips_estimator
-from dspark_obs.engine.acceptance import (
-    SAMPLING_EPS,
-    AcceptResult,
-    accept,
-    greedy_accept_argmax,
-    process_logits,
-    process_logprobs,
-)
-from dspark_obs.engine.censored import (
-    ESTIMATOR_MIN_TEMPERATURE,
-)
-from dspark_obs.engine.drafter import DraftBlock, Drafter
-from dspark_obs.engine.live import Live, mask_stops, sglang_adjusts_logits
+from dspark_obs.engine.acceptance import SAMPLING_EPS, AcceptResult, process_logits
+from dspark_obs.engine.drafter import Drafter
+from dspark_obs.engine.live import Live, mask_stops
 from dspark_obs.engine.model import Target
 from dspark_obs.engine.penalties import OutputCounts, penalty_error
 from dspark_obs.engine.runtime import Runtime, engine_runtime, uses_batched
 from dspark_obs.engine.scheduler import Scheduler
-from dspark_obs.engine.step_rows import StepResult, StepStats, request_row, waiting_row
-from dspark_obs.engine.types import (  # re-exported: callers import them from here
-    BACKENDS,
-    ESTIMATOR_ROWS,
-    MASKED_LOGIT,
+from dspark_obs.engine.step import StepPipeline, opens_censored, run_pending
+from dspark_obs.engine.step_records import RecordWorker, StepRecordBuilder
+from dspark_obs.engine.step_rows import request_row, waiting_row
+from dspark_obs.engine.types import (
     Emit,
     EngineConfig,
     EngineError,
@@ -80,25 +70,34 @@ from dspark_obs.engine.types import (  # re-exported: callers import them from h
     RunResult,
 )
 
-__all__ = [
-    "BACKENDS",
-    "ESTIMATOR_ROWS",
-    "MASKED_LOGIT",
-    "Emit",
-    "Engine",
-    "EngineConfig",
-    "EngineError",
-    "GenRequest",
-    "OnTokens",
-    "RequestSource",
-    "RunResult",
-]
+__all__ = ["Engine"]
+
+Row = dict[str, Any]
 
 
-def _run_pending(pending: list[Callable[[], None]]) -> None:
-    """Run queued record work in order (a step's records, then the next step's)."""
-    while pending:
-        pending.pop(0)()
+class _Handover:
+    """A run's way out for records: steps go to the record builder as the loop runs; the
+    ``requests`` rows of finished requests wait here; :meth:`flush` hands both to the worker
+    (which emits steps, req_steps, then requests, in hand-over order)."""
+
+    def __init__(self, worker: RecordWorker) -> None:
+        self.worker = worker
+        self.builder = worker.builder
+        self.requests: list[Row] = []
+
+    def flush(self) -> None:
+        rows, self.requests = self.requests, []
+        self.worker.flush(then=[("requests", rows)] if rows else ())
+
+    def close(self, ok: bool) -> None:
+        """``ok``: everything is emitted, a worker failure raised. After a failure of the run,
+        the steps not handed over are dropped and a worker failure is left to the run's."""
+        if ok:
+            self.worker.close()
+            return
+        self.builder.take()
+        with contextlib.suppress(Exception):  # the run's own exception is the one raised
+            self.worker.close()
 
 
 class Engine:
@@ -211,22 +210,34 @@ class Engine:
         self._on_tokens = on_tokens
         self.scheduler.relay.reset()
         waiting = sorted(requests, key=lambda r: (r.arrival_step, r.rid))
-        buf: dict[str, list[dict[str, Any]]] = {"steps": [], "req_steps": [], "requests": []}
         self._prepare(requests, start=True)
+        cfg = self.cfg
+        builder = StepRecordBuilder(
+            run_id, mode=cfg.mode, gamma=cfg.gamma, lag_steps=cfg.lag_steps, dp_rank=cfg.dp_rank
+        )
+        out = _Handover(RecordWorker(builder, emit))
+        pipeline = StepPipeline(
+            self.target, cfg, self.scheduler, self._rt, on_tokens, self._censors
+        )
+        ok = False
         try:
-            return self._loop(waiting, emit, run_id, progress, source, buf)
+            result = self._loop(waiting, out, run_id, progress, source, pipeline)
+            ok = True
         finally:
             if self._runtime is not None:
                 self._runtime.busy = False
+            out.close(ok)  # after a failure: what was handed over is emitted, nothing more
+        result.records = out.worker.stats
+        return result
 
     def _loop(
         self,
         waiting: list[GenRequest],
-        emit: Emit,
+        out: _Handover,
         run_id: str,
         progress: Callable[[int], None] | None,
         source: RequestSource | None,
-        buf: dict[str, list[dict[str, Any]]],
+        pipeline: StepPipeline,
     ) -> RunResult:
         cfg = self.cfg
         running: list[Live] = []
@@ -238,17 +249,17 @@ class Engine:
         pending: list[Callable[[], None]] = []  # record work of the last step (overlapped)
 
         def finish(live: Live, reason: str) -> None:
-            buf["requests"].append(request_row(live, self.cfg, run_id, reason))
+            out.requests.append(request_row(live, self.cfg, run_id, reason))
             result.outputs[live.req.rid] = live.output
             result.requests += 1
             if progress:
                 progress(1)
 
         def settle() -> None:
-            _run_pending(pending)
+            run_pending(pending)
 
         def drop(req: GenRequest) -> None:  # a waiting request aborted before admission
-            buf["requests"].append(waiting_row(req, self.cfg, run_id))
+            out.requests.append(waiting_row(req, self.cfg, run_id))
             result.outputs[req.rid] = []
             result.requests += 1
             if progress:
@@ -261,7 +272,7 @@ class Engine:
                     idle = not waiting and not running
                     if idle:
                         settle()
-                        self._flush(emit, buf)  # a blocking poll must not hold records back
+                        out.flush()  # a blocking poll must not hold records back
                     new = source(idle)
                     if new is None:
                         source = None
@@ -283,7 +294,7 @@ class Engine:
                 ):
                     arrived.append(waiting.pop(0))
                 kept: list[Live] = []
-                for live in sorted(self._admit(arrived), key=lambda x: -x.slot):
+                for live in sorted(self._admit(arrived, out.builder), key=lambda x: -x.slot):
                     result.committed_tokens += 1  # the first token comes from the prefill
                     if self._on_tokens is not None:
                         self._on_tokens(live.req.rid, [live.anchor])
@@ -301,7 +312,7 @@ class Engine:
                 if not running:  # idle until the next arrival
                     fct = max(fct + 1, waiting[0].arrival_step) if waiting else fct + 1
                     continue
-                done = self._step(running, fct, run_id, buf, result, pending, finish)
+                done = pipeline.step(running, fct, result, pending, finish, out.builder.add)
                 for live in sorted(done, key=lambda d: -d.slot):  # highest slot first
                     running.remove(live)
                     self._release(live, running)
@@ -312,10 +323,10 @@ class Engine:
                 now = self.clock()
                 if result.steps % cfg.flush_every == 0 or now - last_flush >= cfg.flush_seconds:
                     settle()
-                    self._flush(emit, buf)
+                    out.flush()
                     last_flush = now
         settle()
-        self._flush(emit, buf)
+        out.flush()
         result.seconds = time.perf_counter() - t_start
         result.target_tokens = self.target.tokens_processed - tokens_before
         return result
@@ -352,13 +363,6 @@ class Engine:
 
     # ------------------------------------------------------------------ internals
 
-    @staticmethod
-    def _flush(emit: Emit, buf: dict[str, list[dict[str, Any]]]) -> None:
-        for table in ("steps", "req_steps", "requests"):
-            if buf[table]:
-                emit(table, buf[table])
-                buf[table] = []
-
     def _prepare(self, requests: Sequence[GenRequest], *, start: bool = False) -> None:
         """Room for these requests in the runtime (``start``: the run's runtime, see
         :func:`~dspark_obs.engine.runtime.engine_runtime`); it grows when a request arriving
@@ -377,9 +381,9 @@ class Engine:
             raise RuntimeError("no runtime: the engine is not running")
         return self._runtime
 
-    def _admit(self, reqs: Sequence[GenRequest]) -> list[Live]:
-        """Prefill arrivals (one packed forward for all of them on the batched backend) and
-        sample each one's first token."""
+    def _admit(self, reqs: Sequence[GenRequest], builder: StepRecordBuilder) -> list[Live]:
+        """Prefill arrivals (one packed forward for all of them on the batched backend),
+        sample each one's first token, and register each with the run's record ``builder``."""
         if not reqs:
             return []
         rt = self._rt
@@ -411,6 +415,10 @@ class Engine:
                     slot=slot,
                     stops=stops,
                     counts=counts,
+                    rec=builder.register(
+                        req.rid, workload=req.workload, temperature=req.temperature,
+                        top_p=req.top_p, top_k=req.top_k,
+                    ),  # fmt: skip
                 )
             )
         return lives
@@ -448,6 +456,12 @@ class Engine:
                     other.slot = live.slot
             running.sort(key=lambda r: r.slot)
 
+    def _censors(self, live: Live, res: AcceptResult, w: int, adjusted: bool) -> bool:
+        """The censored-block rule the run's steps apply (:func:`~dspark_obs.engine.step.
+        opens_censored`); a subclass may widen it (``bench/bench_estimator_sweep.py`` gives a
+        cap-accept companion compact's estimator fields)."""
+        return opens_censored(self.cfg, live, res, w, adjusted)
+
     @staticmethod
     def _sample(logits: torch.Tensor, req: GenRequest, gen: torch.Generator, top: int) -> int:
         """First token from the prompt's last logits (``top``: their argmax); draws one
@@ -458,202 +472,3 @@ class Engine:
         p = process_logits(logits.double(), req.temperature, req.top_p, req.top_k)
         cdf = torch.cumsum(p, 0)
         return int(min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), p.numel() - 1))
-
-    def _draft(self, running: list[Live]) -> DraftBlock:
-        """One block per running request (batched: launched on the device, not waited for)."""
-        return self._rt.draft([r.req.temperature for r in running], [r.gen for r in running])
-
-    def _step(
-        self,
-        running: list[Live],
-        fct: int,
-        run_id: str,
-        buf: dict[str, list[dict[str, Any]]],
-        result: RunResult,
-        pending: list[Callable[[], None]],
-        finish: Callable[[Live, str], None],
-    ) -> list[Live]:
-        """One decode step: draft, plan, verify, accept, commit. Returns the requests that
-        finished; their records (and every request's row) are queued on ``pending``, which
-        the next step runs while the device drafts (``overlap``) or the caller runs now."""
-        cfg, gamma = self.cfg, self.cfg.gamma
-        t0 = time.perf_counter()
-        events = self._events()
-        if events:
-            events[0].record()
-        bs = len(running)
-        block = self._draft(running)
-        if events:
-            events[1].record()
-        if cfg.overlap:
-            _run_pending(pending)  # the previous step's records, while the device drafts
-        conf = block.confidence.float().cpu().numpy()
-        survival = np.cumprod(conf, axis=1)
-        draft_tokens = block.tokens.cpu()
-        dt_np = draft_tokens.numpy()
-        draft_lp = block.logprobs.float().cpu()
-        t_draft = time.perf_counter()
-
-        if cfg.mode == "static":
-            budget, verify_lens = bs * gamma, np.full(bs, gamma + 1, dtype=np.int64)
-            decision = None
-        else:
-            budget, verify_lens = self.scheduler.plan([r.req.rid for r in running], survival)
-            decision = self.scheduler.last_decision
-        send = verify_lens if cfg.mode == "compact" else np.full(bs, gamma + 1, dtype=np.int64)
-        lengths_before = [self._rt.length(r.slot) for r in running]
-        if events:
-            events[2].record()
-        all_logits, preds = self._verify(running, draft_tokens, verify_lens, send)
-        if events:
-            events[3].record()
-        t_verify = time.perf_counter()
-        for i, live in enumerate(running):  # penalties, then min_new_tokens' stop mask
-            k = live.masked_rows(int(send[i]))
-            if live.counts is not None:
-                all_logits[i] = live.req.penalties.apply(all_logits[i], live.counts, dt_np[i])
-            if k:
-                all_logits[i] = mask_stops(all_logits[i], k, live.stops)
-            if k or live.counts is not None:
-                preds[i] = all_logits[i].argmax(-1).cpu().numpy()
-
-        done: list[Live] = []
-        outcomes: list[tuple[AcceptResult, list[int], list[int], str | None]] = []
-        vocab = self.target.cfg.vocab_size
-        for i, live in enumerate(running):
-            req = live.req
-            w, n = int(verify_lens[i]), int(send[i])
-            drafts = dt_np[i, : n - 1]
-            window = w if cfg.mode == "cap-accept" else None
-            if live.greedy:
-                res = greedy_accept_argmax(preds[i], drafts, vocab, window=window)
-            else:
-                probs = process_logits(
-                    all_logits[i].double(), req.temperature, req.top_p, req.top_k
-                )
-                res = accept(
-                    probs,
-                    drafts,
-                    block.probs[i, : n - 1].double(),
-                    live.gen,
-                    window=window,
-                    block_size=gamma,
-                )
-            full = list(res.tokens)  # uncut by EOS / length: what the estimator resolves against
-            remaining = req.max_new_tokens - len(live.output)
-            cut, reason = len(full), None
-            for j, tok in enumerate(full):
-                if live.stops_at(tok):
-                    cut, reason = j + 1, "stop"
-                    break
-            if cut > remaining or (reason is None and cut == remaining):
-                cut, reason = remaining, "length"
-            committed = full[:cut]
-            live.output.extend(committed)
-            if live.counts is not None:
-                live.counts.add(committed)
-            result.committed_tokens += len(committed)
-            if self._on_tokens is not None:
-                self._on_tokens(req.rid, committed)
-            outcomes.append((res, full, committed, reason))
-            if reason is not None:
-                done.append(live)
-                continue
-            # Keep anchor + accepted drafts in the caches; the bonus becomes the next anchor.
-            keep = res.correct_drafts + 1
-            live.anchor = committed[-1]
-            self._rt.commit(live.slot, lengths_before[i] + keep, live.anchor)
-        t_end = time.perf_counter()
-
-        pred_ms = theta = None
-        if decision is not None:
-            if decision.predicted_step_seconds is not None:
-                pred_ms = decision.predicted_step_seconds * 1000.0
-            theta = decision.predicted_theta
-        elif cfg.cost_table is not None and not cfg.cost_table.uninitialized:
-            pred_ms = cfg.cost_table.step_seconds(bs, int(budget)) * 1000.0
-        stats = StepStats(
-            forward_ct=fct, bs=bs, budget=int(budget), num_verify_tokens=int(send.sum()),
-            predicted_step_ms=pred_ms, predicted_theta=theta,
-            step_cpu_ms=(t_end - t0) * 1000.0, ts=datetime.now(UTC),
-        )  # fmt: skip
-        if not events and self._timed_device:  # a synchronous runtime on a GPU
-            stats.draft_gpu_ms = (t_draft - t0) * 1000.0
-            stats.target_verify_gpu_ms = (t_verify - t_draft) * 1000.0
-        done_step = StepResult(  # a copy of running: the caller removes finished requests
-            stats=stats, running=list(running), outcomes=outcomes, verify_lens=verify_lens,
-            lengths_before=lengths_before, drafts=dt_np, confidence=conf, survival=survival,
-            draft_logprobs=draft_lp, logits=all_logits, adjusted=sglang_adjusts_logits(running),
-        )  # fmt: skip
-
-        def records() -> None:
-            if events:  # device time of this step's draft and verify passes
-                stats.draft_gpu_ms = events[0].elapsed_time(events[1])
-                stats.target_verify_gpu_ms = events[2].elapsed_time(events[3])
-            buf["steps"].append(stats.row(cfg, run_id))
-            buf["req_steps"].extend(
-                done_step.req_step_rows(cfg, run_id, self._censors, self._estimator_logprobs)
-            )
-            for live, (_, _, _, reason) in zip(done_step.running, outcomes, strict=True):
-                if reason is not None:
-                    finish(live, reason)
-
-        pending.append(records)
-        return done
-
-    def _censors(self, live: Live, res: AcceptResult, w: int, adjusted: bool) -> bool:
-        """Whether this step's trimmed drafts await resolution: a compact window fully
-        accepted with drafts cut off. SGLang's recorder skips greedy / truncated rows, and
-        whole steps whose batch ``adjusted`` its logits (penalties, min_new_tokens): their
-        pending blocks are dropped too."""
-        cfg, req = self.cfg, live.req
-        censors = cfg.mode == "compact" and res.correct_drafts == w - 1 and w - 1 < cfg.gamma
-        if cfg.estimator_rows == "sglang" and (
-            adjusted or sglang_skips_estimator(req.temperature, req.top_k, req.top_p)
-        ):
-            censors, live.censored = False, []
-        return censors
-
-    def _events(self) -> list[Any]:
-        """CUDA events around the draft and verify launches (an asynchronous runtime)."""
-        if not self._rt.asynchronous:
-            return []
-        return [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-
-    def _verify(
-        self, running: list[Live], drafts: torch.Tensor, verify_lens: np.ndarray, send: np.ndarray
-    ) -> tuple[list[torch.Tensor], list[np.ndarray]]:
-        """One packed target forward over each request's ``send`` tokens: logits and argmax
-        per request.
-
-        cap-accept runs it as two forwards: first exactly the windows compact would send
-        (so everything committed, and the drafter features, are bitwise those of the compact
-        run, whatever the floating-point effects of a wider batch), then the trimmed drafts
-        on top of the same caches, which only serve to count ``cap_trim``.
-        """
-        head = verify_lens if self.cfg.mode == "cap-accept" else send
-        rest = [i for i in range(len(running)) if head[i] < send[i]]
-        rt = self._rt
-        rows = [[r.anchor, *drafts[i, : head[i] - 1].tolist()] for i, r in enumerate(running)]
-        logits, preds = rt.forward([r.slot for r in running], rows).split()
-        if rest:
-            for i in rest:
-                logits[i] = logits[i].clone()  # the tail forward may reuse the buffers
-            tails = [drafts[i, head[i] - 1 : send[i] - 1].tolist() for i in rest]
-            tail_logits, tail_preds = rt.forward([running[i].slot for i in rest], tails).split()
-            for j, i in enumerate(rest):
-                logits[i] = torch.cat([logits[i], tail_logits[j]])
-                preds[i] = np.concatenate([preds[i], tail_preds[j]])
-        return logits, preds
-
-    @staticmethod
-    def _estimator_logprobs(logits: torch.Tensor, live: Live) -> torch.Tensor:
-        """log p of the distribution acceptance used (processed: temperature, top-k, top-p)."""
-        req = live.req
-        if live.greedy:  # one-hot whatever the filters; SGLang's temperature floor
-            return torch.log_softmax(logits.double() / ESTIMATOR_MIN_TEMPERATURE, dim=-1)
-        return process_logprobs(logits, req.temperature, req.top_p, req.top_k)
-
-    @property
-    def _timed_device(self) -> bool:
-        return self.target.device.type == "cuda"

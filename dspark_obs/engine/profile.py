@@ -13,8 +13,9 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dspark_obs.engine.loop import Engine, EngineConfig, GenRequest
+from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.profile_fit import StepSample
+from dspark_obs.engine.types import EngineConfig, GenRequest
 from dspark_obs.fanout import FanOut, MemorySink
 
 

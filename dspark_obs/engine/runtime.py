@@ -28,10 +28,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dspark_obs.engine.batched import BATCH_TIERS, TOKEN_TIERS, BatchedRuntime, shared_runtime
+from dspark_obs.engine.batched import BatchedRuntime, shared_runtime
 from dspark_obs.engine.drafter import DraftBlock, Drafter
 from dspark_obs.engine.model import Target
 from dspark_obs.engine.reference import ReferenceRuntime
+from dspark_obs.engine.slots import BATCH_TIERS, TOKEN_TIERS
 from dspark_obs.engine.types import EngineConfig
 
 __all__ = ["Runtime", "Verified", "engine_runtime", "uses_batched"]

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from dspark_obs.cost_table import CostTable
-from dspark_obs.engine.loop import Engine, EngineConfig, EngineError, GenRequest, RunResult
+from dspark_obs.engine.loop import Engine
+from dspark_obs.engine.types import EngineConfig, EngineError, GenRequest, RunResult
 from dspark_obs.fanout import FanOut, RecordSink
 
 REPO_RUNTIME = Path(__file__).resolve().parents[2] / "runtime"

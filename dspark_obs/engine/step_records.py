@@ -88,10 +88,15 @@ class PgEntries:
         """From ``censored.resolve``'s entry dicts, one list (or None) per batch row. The
         entries exist only for censored blocks being resolved: a few per step, not per row."""
         rows = [i for i, entries in enumerate(per_row) if entries for _ in entries]
-        flat = [e for entries in per_row if entries for e in entries]
-        if not flat:
+        return PgEntries.from_entries(rows, [e for entries in per_row if entries for e in entries])
+
+    @staticmethod
+    def from_entries(rows: Sequence[int], entries: Sequence[Mapping[str, Any]]) -> PgEntries:
+        """From ``censored.resolve``'s entry dicts, flat: ``entries[e]`` belongs to batch row
+        ``rows[e]``."""
+        if not entries:
             return PgEntries.empty()
-        cols = {name: [e[name] for e in flat] for name in PG_FIELDS}
+        cols = {name: [e[name] for e in entries] for name in PG_FIELDS}
         return PgEntries(
             row=np.asarray(rows, dtype=np.int64),
             src_fct=np.asarray(cols["src_fct"], dtype=np.int64),

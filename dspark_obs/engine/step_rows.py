@@ -1,10 +1,13 @@
-"""What a decode step measured (:class:`StepStats`) and the records built from it: the
-``steps`` row, one ``req_steps`` row per request with the block-accept estimator's fields,
+"""What a decode step measured (:class:`StepStats`, :class:`StepResult`) as the arrays its
+records are built from (:class:`~dspark_obs.engine.step_records.StepArrays`: the ``steps`` row
+and one ``req_steps`` row per request with the block-accept estimator's fields, column-wise),
 and the ``requests`` row of a finished request.
 
-Apart from the loop because building rows is its own concern: the loop hands over the step's
-numbers once (:class:`StepResult`) and, with ``overlap``, the rows are built while the
-device drafts the next step.
+Apart from the loop because records are their own concern: the loop hands over the step's
+numbers once (:class:`StepResult`); with ``overlap`` its arrays are taken (and its censored
+blocks resolved) while the device drafts the next step, and the Arrow tables are built on the
+run's record worker (:class:`~dspark_obs.engine.step_records.RecordWorker`), off the decode
+thread: no per-request row objects.
 
 Estimator fields: a compact step whose window was fully accepted while drafts were trimmed
 (``correct_drafts == verify_len - 1 < gamma``) records ``trimmed_tokens`` and their draft
@@ -27,16 +30,17 @@ import torch
 from dspark_obs.engine.acceptance import AcceptResult
 from dspark_obs.engine.censored import Censored, LogpAt, greedy_logprobs_at, resolve, resolve_block
 from dspark_obs.engine.live import Live, Outcome
+from dspark_obs.engine.step_records import PgEntries, StepArrays
 from dspark_obs.engine.types import EngineConfig, GenRequest
 
 __all__ = ["Censors", "Logprobs", "StepResult", "StepStats", "request_row", "waiting_row"]
 
 Censors = Callable[[Live, AcceptResult, int, bool], bool]
 """``(live, accept result, verify_len, batch adjusted)`` -> whether this step's trimmed drafts
-await resolution (``Engine._censors``)."""
+await resolution (``step.opens_censored``)."""
 
 Logprobs = Callable[[torch.Tensor, Live], torch.Tensor]
-"""``(logits rows, live)`` -> log p of the distribution acceptance used (``Engine.
+"""``(logits rows, live)`` -> log p of the distribution acceptance used (``StepPipeline.
 _estimator_logprobs``)."""
 
 
@@ -55,28 +59,6 @@ class StepStats:
     draft_gpu_ms: float | None = None
     target_verify_gpu_ms: float | None = None
 
-    def row(self, cfg: EngineConfig, run_id: str) -> dict[str, Any]:
-        """The ``steps`` row (one DP rank: ``verify_tokens_local`` = the step's tokens)."""
-        return {
-            "run_id": run_id,
-            "dp_rank": cfg.dp_rank,
-            "forward_ct": self.forward_ct,
-            "source": "engine",
-            "mode": cfg.mode,
-            "bs": self.bs,
-            "budget": self.budget,
-            "lag_steps": cfg.lag_steps,
-            "num_running_reqs": self.bs,
-            "num_verify_tokens": self.num_verify_tokens,
-            "verify_tokens_local": self.num_verify_tokens,
-            "predicted_step_ms": self.predicted_step_ms,
-            "predicted_theta": self.predicted_theta,
-            "step_cpu_ms": self.step_cpu_ms,
-            "draft_gpu_ms": self.draft_gpu_ms,
-            "target_verify_gpu_ms": self.target_verify_gpu_ms,
-            "ts": self.ts,
-        }
-
 
 @dataclass
 class StepResult:
@@ -94,77 +76,76 @@ class StepResult:
     logits: list[torch.Tensor]  # per request: the (penalized, masked) target rows acceptance used
     adjusted: bool  # SGLang would call the batch's logits adjusted (see live.sglang_adjusts_logits)
 
-    def req_step_rows(
-        self, cfg: EngineConfig, run_id: str, censors: Censors, logprobs: Logprobs
-    ) -> list[dict[str, Any]]:
-        """One ``req_steps`` row per request, resolving each request's censored blocks
-        against this step's target rows (the rows update ``live.censored``)."""
-        lookups = self._gather_logprobs(censors, logprobs)
-        return [self._row(cfg, run_id, i, lookups[i], censors) for i in range(len(self.running))]
+    def arrays(self, cfg: EngineConfig, censors: Censors, logprobs: Logprobs) -> StepArrays:
+        """The step as :class:`StepArrays` (the ``steps`` row and one ``req_steps`` row per
+        request, column-wise), resolving each request's censored blocks against this step's
+        target rows (that updates ``live.censored``). The arrays are the step's own copies:
+        the worker that builds the tables may read them after later steps ran.
 
-    def _row(
-        self, cfg: EngineConfig, run_id: str, i: int, logp: Any, censors: Censors
-    ) -> dict[str, Any]:
-        live, req = self.running[i], self.running[i].req
-        res, full, committed, reason = self.outcomes[i]
-        w, prefix, drafts = int(self.verify_lens[i]), self.lengths_before[i], self.drafts[i]
-        fct = self.stats.forward_ct
-        censored = censors(live, res, w, self.adjusted)
-        pg, live.censored = resolve(live.censored, logp, full, prefix)
-        row = {
-            "run_id": run_id,
-            "dp_rank": cfg.dp_rank,
-            "forward_ct": fct,
-            "rid": req.rid,
-            "gamma": cfg.gamma,
-            "req_pool_index": live.slot,
-            "prefix_len": prefix + 1,  # tokens known, anchor included
-            "verify_len": w,
-            "acc_len": len(committed),
-            "correct_drafts": res.correct_drafts,
-            "cap_trim": res.cap_trim if cfg.mode == "cap-accept" else 0,
-            "bonus_token": res.bonus_token,
-            "draft_tokens": drafts.tolist(),
-            "confidence": self.confidence[i].tolist(),
-            "survival": self.survival[i].tolist(),
-            "workload": req.workload,
-            "temperature": req.temperature,
-            "top_p": req.top_p,
-            "top_k": req.top_k,
-            "is_last": reason is not None,
-            "ts": self.stats.ts,
-            "pg": pg or None,
-            "trimmed_tokens": None,
-            "q_lp": None,
-        }
-        if censored:
-            trimmed = drafts[w - 1 :].tolist()
-            row["trimmed_tokens"] = trimmed
-            # Greedy drafts are the drafter's argmax: log q at T -> 0 is 0.
-            q_lp = self.draft_logprobs[i, w - 1 :].tolist()
-            row["q_lp"] = [0.0] * len(trimmed) if live.greedy else q_lp
-            blk = Censored(fct, prefix + w, w, trimmed)
-            # The first trimmed draft sits where this step's bonus landed: resolve it now.
-            extra = resolve_block(blk, logp, full, prefix)
-            if extra:
-                row["pg"] = (row["pg"] or []) + extra
-            if blk.next_k < len(blk.tokens):
-                live.censored.append(blk)
-        return row
+        Only the requests with censored blocks (open, or opened now) are visited one by one,
+        for their estimator entries; every other field is an array of the whole batch."""
+        running, outcomes, bs = self.running, self.outcomes, len(self.running)
+        verify_len = np.array(self.verify_lens, dtype=np.int64)  # a copy
+        opens = [censors(live, outcomes[i][0], int(verify_len[i]), self.adjusted)
+                 for i, live in enumerate(running)]  # fmt: skip
+        lookups = self._gather_logprobs(opens, logprobs)
+        fct, prefix = self.stats.forward_ct, self.lengths_before
+        pg_rows: list[int] = []
+        pg: list[dict[str, Any]] = []
+        for i, live in enumerate(running):
+            if not (live.censored or opens[i]):
+                continue
+            full = outcomes[i][1]
+            entries, live.censored = resolve(live.censored, lookups[i], full, prefix[i])
+            if opens[i]:
+                w = int(verify_len[i])
+                blk = Censored(fct, prefix[i] + w, w, self.drafts[i, w - 1 :].tolist())
+                # The first trimmed draft sits where this step's bonus landed: resolve it now.
+                entries.extend(resolve_block(blk, lookups[i], full, prefix[i]))
+                if blk.next_k < len(blk.tokens):
+                    live.censored.append(blk)
+            pg_rows.extend([i] * len(entries))
+            pg.extend(entries)
+        censored = np.array(opens, dtype=bool)
+        s = self.stats
+        return StepArrays(
+            forward_ct=fct, budget=s.budget, num_verify_tokens=s.num_verify_tokens, ts=s.ts,
+            req=np.fromiter((live.rec for live in running), np.int64, bs),
+            req_pool_index=np.fromiter((live.slot for live in running), np.int64, bs),
+            prefix_len=np.asarray(prefix, dtype=np.int64) + 1,  # tokens known, anchor included
+            verify_len=verify_len,
+            acc_len=np.fromiter((len(o[2]) for o in outcomes), np.int64, bs),
+            correct_drafts=np.fromiter((o[0].correct_drafts for o in outcomes), np.int64, bs),
+            cap_trim=np.fromiter((o[0].cap_trim for o in outcomes), np.int64, bs)
+            if cfg.mode == "cap-accept" else np.zeros(bs, dtype=np.int64),
+            bonus_token=np.fromiter((o[0].bonus_token for o in outcomes), np.int64, bs),
+            is_last=np.fromiter((o[3] is not None for o in outcomes), bool, bs),
+            draft_tokens=np.array(self.drafts, copy=True),
+            confidence=np.array(self.confidence, dtype=np.float32, copy=True),
+            survival=np.array(self.survival, dtype=np.float32, copy=True),
+            censored=censored,
+            draft_logprobs=self.draft_logprobs.numpy().astype(np.float32, copy=True)
+            if censored.any() else None,
+            greedy=np.fromiter((live.greedy for live in running), bool, bs),
+            pg=PgEntries.from_entries(pg_rows, pg) if pg else None,
+            predicted_step_ms=s.predicted_step_ms, predicted_theta=s.predicted_theta,
+            step_cpu_ms=s.step_cpu_ms, draft_gpu_ms=s.draft_gpu_ms,
+            target_verify_gpu_ms=s.target_verify_gpu_ms,
+        )  # fmt: skip
 
-    def _gather_logprobs(self, censors: Censors, logprobs: Logprobs) -> list[Any]:
+    def _gather_logprobs(self, opens: list[bool], logprobs: Logprobs) -> list[Any]:
         """Per request, log p of the target rows at the columns of the drafts still awaiting
         resolution (None where none await), gathered on the device for every request and
-        moved to the host in one transfer (no sync per entry)."""
+        moved to the host in one transfer (no sync per entry). ``opens[i]``: request i's step
+        opened a censored block."""
         out: list[Any] = [None] * len(self.running)
         wanted: list[tuple[int, list[int]]] = []
         for i, live in enumerate(self.running):
-            w = int(self.verify_lens[i])
-            opens = censors(live, self.outcomes[i][0], w, self.adjusted)
-            if not (live.censored or opens):
+            if not (live.censored or opens[i]):
                 continue
             cols = {int(t) for blk in live.censored for t in blk.tokens[blk.next_k :]}
-            if opens:
+            if opens[i]:
+                w = int(self.verify_lens[i])
                 cols.update(int(t) for t in self.drafts[i, w - 1 :])
             wanted.append((i, sorted(cols)))
         if not wanted:

@@ -1,7 +1,8 @@
 """The engine's request, configuration and result types, apart from the loop that uses them.
 
-They live here (re-exported by :mod:`dspark_obs.engine.loop`, where callers import them) so
-the runtimes (:mod:`dspark_obs.engine.batched`) can name them without importing the loop.
+Callers import them from here (the loop does not re-export them), so the runtimes
+(:mod:`dspark_obs.engine.batched`) and the step pipeline can name them without importing the
+loop.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from dspark_obs.cost_table import CostTable
 from dspark_obs.engine.penalties import Penalties
+from dspark_obs.fanout import LaneStats
 from dspark_obs.schema import MODES
 
 __all__ = [
@@ -132,6 +134,9 @@ class RunResult:
     target_tokens: int = 0
     seconds: float = 0.0
     outputs: dict[str, list[int]] = field(default_factory=dict)
+    records: LaneStats | None = None
+    """The run's record worker queue (engine runs): hand-overs, rows, and how often and how
+    long the decode loop waited on a full queue (backpressure)."""
     times: dict[str, tuple[float, float]] = field(default_factory=dict)
     """Per request ``(first token, finish)`` on ``time.perf_counter`` (no-spec runs; engine
     runs carry wall-clock times in their ``requests`` rows)."""
@@ -141,7 +146,10 @@ class RunResult:
         return self.committed_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-Emit = Callable[[str, list[dict[str, Any]]], Any]
+Emit = Callable[[str, Any], Any]
+"""``emit(table, batch)``: an engine run's records, on its record worker's thread, in order:
+``steps`` and ``req_steps`` as Arrow tables of the schema's types, ``requests`` as row dicts
+(one per finished request). ``FanOut.emit`` takes both."""
 
 RequestSource = Callable[[bool], "Sequence[GenRequest] | None"]
 """Polled once per loop iteration by a long-running :meth:`Engine.run` (a server): called

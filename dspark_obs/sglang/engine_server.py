@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dspark_obs.cost_table import CostTable
-from dspark_obs.engine.loop import Engine, EngineConfig
+from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.session import Models
+from dspark_obs.engine.types import EngineConfig
 from dspark_obs.schema import MODES
 from dspark_obs.sglang.codec import ByteCodec, Codec, TokenizerCodec
 from dspark_obs.sglang.http_limits import HttpLimits

@@ -17,7 +17,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from dspark_obs.engine.loop import EngineError, GenRequest
+from dspark_obs.engine.types import EngineError, GenRequest
 from dspark_obs.sglang.http_limits import HttpLimits
 from dspark_obs.sglang.http_models import SamplingParams
 from dspark_obs.sglang.service import EngineService, FinishedRequest

@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import pyarrow as pa
 
-from dspark_obs.engine.loop import Engine, EngineError, GenRequest
+from dspark_obs.engine.loop import Engine
+from dspark_obs.engine.types import EngineError, GenRequest
 from dspark_obs.sglang.codec import Codec
 from dspark_obs.sglang.estimator_writer import EstimatorWriter
 from dspark_obs.sglang.records import (
@@ -181,7 +183,10 @@ class EngineService:
 
     # ------------------------------------------------------------------ records
 
-    def _emit(self, table: str, rows: list[dict[str, Any]]) -> None:
+    def _emit(self, table: str, batch: pa.Table | list[dict[str, Any]]) -> None:
+        """The engine's records (on its record worker's thread): the step tables arrive as
+        Arrow, turned into the row dicts SGLang's surfaces are rendered from here, once."""
+        rows = batch.to_pylist() if isinstance(batch, pa.Table) else batch
         if table == "steps":
             self._pending_steps.extend(rows)
         elif table == "req_steps":

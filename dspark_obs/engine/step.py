@@ -1,0 +1,297 @@
+"""One decode step of the running batch: draft, plan, verify, accept, commit, hand over.
+
+The step pipeline, apart from the request lifecycle (:mod:`dspark_obs.engine.loop`: admission,
+cancels, slots, flushing): the loop calls :meth:`StepPipeline.step` once per step with the
+running batch (ordered by slot), and gets back the requests that finished.
+
+1. draft a block of ``gamma`` tokens per request (the drafter's context cache receives the
+   target features of what the previous step committed);
+2. plan windows: ``static`` verifies everything; ``compact`` and ``cap-accept`` ask the
+   scheduler (SPS-argmax budget on lagged survival, top-b allocation on current survival);
+3. verify with ONE packed target forward: ``compact`` sends ``verify_len`` tokens per request
+   (so the forward processes ``sum(verify_len)`` tokens), the other modes send ``gamma + 1``;
+4. accept (greedy or lossless rejection sampling), roll back the KV caches, commit;
+5. queue the step's record work: its arrays (:meth:`StepResult.arrays`, which resolves the
+   censored blocks) go to the run's record builder, which builds Arrow tables on its worker.
+
+The record work of step k runs while the device drafts step k + 1 (``overlap``), or right away.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+import torch
+
+from dspark_obs.analytics.estimator_recorder import sglang_skips_estimator
+from dspark_obs.engine.acceptance import (
+    AcceptResult,
+    accept,
+    greedy_accept_argmax,
+    process_logits,
+    process_logprobs,
+)
+from dspark_obs.engine.censored import ESTIMATOR_MIN_TEMPERATURE
+from dspark_obs.engine.drafter import DraftBlock
+from dspark_obs.engine.live import Live, Outcome, mask_stops, sglang_adjusts_logits
+from dspark_obs.engine.model import Target
+from dspark_obs.engine.runtime import Runtime
+from dspark_obs.engine.scheduler import Scheduler
+from dspark_obs.engine.step_records import StepArrays
+from dspark_obs.engine.step_rows import Censors, StepResult, StepStats
+from dspark_obs.engine.types import EngineConfig, OnTokens, RunResult
+
+__all__ = ["StepPipeline", "opens_censored", "run_pending"]
+
+Finish = Callable[[Live, str], None]
+AddStep = Callable[[StepArrays], None]
+
+
+def opens_censored(
+    cfg: EngineConfig, live: Live, res: AcceptResult, w: int, adjusted: bool
+) -> bool:
+    """Whether this step's trimmed drafts await resolution: a compact window fully
+    accepted with drafts cut off. SGLang's recorder skips greedy / truncated rows, and
+    whole steps whose batch ``adjusted`` its logits (penalties, min_new_tokens): their
+    pending blocks are dropped too."""
+    req = live.req
+    censors = cfg.mode == "compact" and res.correct_drafts == w - 1 and w - 1 < cfg.gamma
+    if cfg.estimator_rows == "sglang" and (
+        adjusted or sglang_skips_estimator(req.temperature, req.top_k, req.top_p)
+    ):
+        censors, live.censored = False, []
+    return censors
+
+
+def run_pending(pending: list[Callable[[], None]]) -> None:
+    """Run queued record work in order (a step's records, then the next step's)."""
+    while pending:
+        pending.pop(0)()
+
+
+class StepPipeline:
+    """The decode step of one run on one runtime (made by the engine at each run's start)."""
+
+    def __init__(
+        self,
+        target: Target,
+        cfg: EngineConfig,
+        scheduler: Scheduler,
+        runtime: Runtime,
+        on_tokens: OnTokens | None,
+        censors: Censors,
+    ) -> None:
+        """``censors``: the censored-block rule (:func:`opens_censored`, or the engine's)."""
+        self.target = target
+        self.censors = censors
+        self.cfg = cfg
+        self.scheduler = scheduler
+        self.rt = runtime
+        self.on_tokens = on_tokens
+
+    def step(
+        self,
+        running: list[Live],
+        fct: int,
+        result: RunResult,
+        pending: list[Callable[[], None]],
+        finish: Finish,
+        add: AddStep,
+    ) -> list[Live]:
+        """One decode step: draft, plan, verify, accept, commit. Returns the requests that
+        finished; their records (and the step's arrays, handed to ``add``) are queued on
+        ``pending``, which the next step runs while the device drafts (``overlap``) or the
+        caller runs now."""
+        cfg, gamma = self.cfg, self.cfg.gamma
+        t0 = time.perf_counter()
+        events = self._events()
+        if events:
+            events[0].record()
+        bs = len(running)
+        block = self._draft(running)
+        if events:
+            events[1].record()
+        if cfg.overlap:
+            run_pending(pending)  # the previous step's records, while the device drafts
+        conf = block.confidence.float().cpu().numpy()
+        survival = np.cumprod(conf, axis=1)
+        draft_tokens = block.tokens.cpu()
+        dt_np = draft_tokens.numpy()
+        draft_lp = block.logprobs.float().cpu()
+        t_draft = time.perf_counter()
+
+        if cfg.mode == "static":
+            budget, verify_lens = bs * gamma, np.full(bs, gamma + 1, dtype=np.int64)
+            decision = None
+        else:
+            budget, verify_lens = self.scheduler.plan([r.req.rid for r in running], survival)
+            decision = self.scheduler.last_decision
+        send = verify_lens if cfg.mode == "compact" else np.full(bs, gamma + 1, dtype=np.int64)
+        lengths_before = [self.rt.length(r.slot) for r in running]
+        if events:
+            events[2].record()
+        all_logits, preds = self._verify(running, draft_tokens, verify_lens, send)
+        if events:
+            events[3].record()
+        t_verify = time.perf_counter()
+        for i, live in enumerate(running):  # penalties, then min_new_tokens' stop mask
+            k = live.masked_rows(int(send[i]))
+            if live.counts is not None:
+                all_logits[i] = live.req.penalties.apply(all_logits[i], live.counts, dt_np[i])
+            if k:
+                all_logits[i] = mask_stops(all_logits[i], k, live.stops)
+            if k or live.counts is not None:
+                preds[i] = all_logits[i].argmax(-1).cpu().numpy()
+
+        done, outcomes = self._accept_and_commit(
+            running, block, dt_np, verify_lens, send, all_logits, preds, lengths_before, result
+        )
+        t_end = time.perf_counter()
+
+        pred_ms = theta = None
+        if decision is not None:
+            if decision.predicted_step_seconds is not None:
+                pred_ms = decision.predicted_step_seconds * 1000.0
+            theta = decision.predicted_theta
+        elif cfg.cost_table is not None and not cfg.cost_table.uninitialized:
+            pred_ms = cfg.cost_table.step_seconds(bs, int(budget)) * 1000.0
+        stats = StepStats(
+            forward_ct=fct, bs=bs, budget=int(budget), num_verify_tokens=int(send.sum()),
+            predicted_step_ms=pred_ms, predicted_theta=theta,
+            step_cpu_ms=(t_end - t0) * 1000.0, ts=datetime.now(UTC),
+        )  # fmt: skip
+        if not events and self._timed_device:  # a synchronous runtime on a GPU
+            stats.draft_gpu_ms = (t_draft - t0) * 1000.0
+            stats.target_verify_gpu_ms = (t_verify - t_draft) * 1000.0
+        done_step = StepResult(  # a copy of running: the caller removes finished requests
+            stats=stats, running=list(running), outcomes=outcomes, verify_lens=verify_lens,
+            lengths_before=lengths_before, drafts=dt_np, confidence=conf, survival=survival,
+            draft_logprobs=draft_lp, logits=all_logits, adjusted=sglang_adjusts_logits(running),
+        )  # fmt: skip
+
+        def records() -> None:
+            if events:  # device time of this step's draft and verify passes
+                stats.draft_gpu_ms = events[0].elapsed_time(events[1])
+                stats.target_verify_gpu_ms = events[2].elapsed_time(events[3])
+            add(done_step.arrays(cfg, self.censors, self._estimator_logprobs))
+            for live, (_, _, _, reason) in zip(done_step.running, outcomes, strict=True):
+                if reason is not None:
+                    finish(live, reason)
+
+        pending.append(records)
+        return done
+
+    def _accept_and_commit(
+        self,
+        running: list[Live],
+        block: DraftBlock,
+        dt_np: np.ndarray,
+        verify_lens: np.ndarray,
+        send: np.ndarray,
+        all_logits: list[torch.Tensor],
+        preds: list[np.ndarray],
+        lengths_before: list[int],
+        result: RunResult,
+    ) -> tuple[list[Live], list[Outcome]]:
+        """Acceptance per request, the stop / length cut, the commit into the caches; returns
+        the finished requests and every request's outcome."""
+        cfg, gamma = self.cfg, self.cfg.gamma
+        done: list[Live] = []
+        outcomes: list[Outcome] = []
+        vocab = self.target.cfg.vocab_size
+        for i, live in enumerate(running):
+            req = live.req
+            w, n = int(verify_lens[i]), int(send[i])
+            drafts = dt_np[i, : n - 1]
+            window = w if cfg.mode == "cap-accept" else None
+            if live.greedy:
+                res = greedy_accept_argmax(preds[i], drafts, vocab, window=window)
+            else:
+                probs = process_logits(
+                    all_logits[i].double(), req.temperature, req.top_p, req.top_k
+                )
+                res = accept(
+                    probs,
+                    drafts,
+                    block.probs[i, : n - 1].double(),
+                    live.gen,
+                    window=window,
+                    block_size=gamma,
+                )
+            full = list(res.tokens)  # uncut by EOS / length: what the estimator resolves against
+            remaining = req.max_new_tokens - len(live.output)
+            cut, reason = len(full), None
+            for j, tok in enumerate(full):
+                if live.stops_at(tok):
+                    cut, reason = j + 1, "stop"
+                    break
+            if cut > remaining or (reason is None and cut == remaining):
+                cut, reason = remaining, "length"
+            committed = full[:cut]
+            live.output.extend(committed)
+            if live.counts is not None:
+                live.counts.add(committed)
+            result.committed_tokens += len(committed)
+            if self.on_tokens is not None:
+                self.on_tokens(req.rid, committed)
+            outcomes.append((res, full, committed, reason))
+            if reason is not None:
+                done.append(live)
+                continue
+            # Keep anchor + accepted drafts in the caches; the bonus becomes the next anchor.
+            keep = res.correct_drafts + 1
+            live.anchor = committed[-1]
+            self.rt.commit(live.slot, lengths_before[i] + keep, live.anchor)
+        return done, outcomes
+
+    def _draft(self, running: list[Live]) -> DraftBlock:
+        """One block per running request (batched: launched on the device, not waited for)."""
+        return self.rt.draft([r.req.temperature for r in running], [r.gen for r in running])
+
+    def _events(self) -> list[Any]:
+        """CUDA events around the draft and verify launches (an asynchronous runtime)."""
+        if not self.rt.asynchronous:
+            return []
+        return [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+
+    def _verify(
+        self, running: list[Live], drafts: torch.Tensor, verify_lens: np.ndarray, send: np.ndarray
+    ) -> tuple[list[torch.Tensor], list[np.ndarray]]:
+        """One packed target forward over each request's ``send`` tokens: logits and argmax
+        per request.
+
+        cap-accept runs it as two forwards: first exactly the windows compact would send
+        (so everything committed, and the drafter features, are bitwise those of the compact
+        run, whatever the floating-point effects of a wider batch), then the trimmed drafts
+        on top of the same caches, which only serve to count ``cap_trim``.
+        """
+        head = verify_lens if self.cfg.mode == "cap-accept" else send
+        rest = [i for i in range(len(running)) if head[i] < send[i]]
+        rt = self.rt
+        rows = [[r.anchor, *drafts[i, : head[i] - 1].tolist()] for i, r in enumerate(running)]
+        logits, preds = rt.forward([r.slot for r in running], rows).split()
+        if rest:
+            for i in rest:
+                logits[i] = logits[i].clone()  # the tail forward may reuse the buffers
+            tails = [drafts[i, head[i] - 1 : send[i] - 1].tolist() for i in rest]
+            tail_logits, tail_preds = rt.forward([running[i].slot for i in rest], tails).split()
+            for j, i in enumerate(rest):
+                logits[i] = torch.cat([logits[i], tail_logits[j]])
+                preds[i] = np.concatenate([preds[i], tail_preds[j]])
+        return logits, preds
+
+    @staticmethod
+    def _estimator_logprobs(logits: torch.Tensor, live: Live) -> torch.Tensor:
+        """log p of the distribution acceptance used (processed: temperature, top-k, top-p)."""
+        req = live.req
+        if live.greedy:  # one-hot whatever the filters; SGLang's temperature floor
+            return torch.log_softmax(logits.double() / ESTIMATOR_MIN_TEMPERATURE, dim=-1)
+        return process_logprobs(logits, req.temperature, req.top_p, req.top_k)
+
+    @property
+    def _timed_device(self) -> bool:
+        return self.target.device.type == "cuda"
