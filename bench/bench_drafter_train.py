@@ -27,6 +27,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -85,8 +86,8 @@ def cmd_prompts(a: argparse.Namespace) -> None:
     import random
 
     from dspark_obs.engine.drafter_eval import eval_prompt_ids
+    from dspark_obs.engine.train_data import encoded_prompts
     from dspark_obs.engine.weights import encode_chat, load_smollm2, stop_token_ids
-    from dspark_obs.workloads import load_prompts
 
     _, tok = load_smollm2(path=a.gguf)
     counts: dict[str, int | None] = (
@@ -94,12 +95,10 @@ def cmd_prompts(a: argparse.Namespace) -> None:
         if a.train_counts == "all"
         else {w: int(n) for w, n in zip(WORKLOADS, a.train_counts.split(","), strict=True)}
     )
-    rows: dict[str, list[tuple[list[int], Any]]] = {w: [] for w in WORKLOADS}
-    for w in WORKLOADS:
-        for pr in load_prompts(w, "train", counts[w], a.seed):
-            ids = encode_chat(tok, pr.messages)
-            if len(ids) <= a.max_prompt_tokens:
-                rows[w].append((ids, pr))
+    rows = {
+        w: encoded_prompts(tok, w, "train", counts[w], a.seed, a.max_prompt_tokens)
+        for w in WORKLOADS
+    }
     ev = eval_prompt_ids(tok, WORKLOADS, a.eval_n, a.seed, a.max_prompt_tokens)
     heldout: dict[str, list[list[int]]] = {w: [] for w in WORKLOADS}
     train: list[tuple[str, list[int], Any]] = []
@@ -151,42 +150,21 @@ def cmd_prompts(a: argparse.Namespace) -> None:
 def snapshot_monitor(a: argparse.Namespace, out: Path) -> Any:
     """on_snapshot callback: export the drafter, evaluate it on the held-out train prompts
     in background processes (the GPU is mostly idle in the latency-bound decode loop)."""
-    import os
-    import subprocess
-
     procs: list[Any] = []
     temps = [t for t in a.monitor_temperatures.split(",") if t]
 
     def on_snapshot(step: int, drafter: Any) -> None:
         snap = drafter.save(out / "snapshots" / f"step{step}")
-        mon = out / "monitor"
-        mon.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        for w in WORKLOADS:
-            for t in temps:
-                name = f"step{step}_{w}_T{t}"
-                cmd = [
-                    sys.executable, "-m", "dspark_obs.engine.drafter_eval",
-                    "--drafter", str(snap), "--gguf", a.gguf, "--prompts-file", a.prompts,
-                    "--prompts-key", "heldout", "--workloads", w, "--temperatures", t,
-                    "--n", str(a.monitor_n), "--gamma", str(a.eval_gamma),
-                    "--max-new-tokens", str(a.monitor_max_new_tokens),
-                    "--batch-size", str(a.monitor_n), "--device", a.device,
-                    "--out", str(mon / f"{name}.json"),
-                ]  # fmt: skip
-                log = (mon / f"{name}.log").open("w")
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+        procs.extend(
+            eval_processes(
+                snap, a, "heldout", a.monitor_n, a.eval_gamma, a.monitor_max_new_tokens,
+                out / "monitor", f"step{step}", records=False, temps=temps,
+            )
+        )
         print(f"[monitor] step {step}: {len(temps) * len(WORKLOADS)} held-out evals started")
 
     on_snapshot.procs = procs  # type: ignore[attr-defined]
     return on_snapshot
-
-
-SAME_NAMED_ARGS = (
-    "gamma", "steps", "batch_size", "lr", "resume", "seed", "max_new_tokens", "blocks_per_seq",
-    "gamma_decay", "gen_batch_size", "warmup", "ckpt_every", "log_every",
-)  # fmt: skip
-"""``run``'s options passed to train_drafter under the same name."""
 
 
 def load_target(a: argparse.Namespace) -> Any:
@@ -323,10 +301,11 @@ def cmd_run(a: argparse.Namespace) -> None:
 
 def eval_processes(
     drafter: Path, a: argparse.Namespace, key: str, n: int, gamma: int, max_new: int,
-    out: Path, tag: str, records: bool,
+    out: Path, tag: str, records: bool, temps: Sequence[str] = ("0", "1"),
 ) -> list[Any]:
-    """One ``drafter_eval`` process per workload and temperature (the decode loop is
-    latency-bound, so they share one GPU well)."""
+    """One ``drafter_eval`` process per workload and temperature in ``temps`` (the decode
+    loop is latency-bound, so they share one GPU well), writing ``out/{tag}_{w}_T{t}.json``
+    and its ``.log``."""
     import os
     import subprocess
 
@@ -334,7 +313,7 @@ def eval_processes(
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = []
     for w in WORKLOADS:
-        for t in ("0", "1"):
+        for t in temps:
             cmd = [
                 sys.executable, "-m", "dspark_obs.engine.drafter_eval", "--drafter",
                 str(drafter), "--gguf", a.gguf, "--prompts-file", a.prompts,

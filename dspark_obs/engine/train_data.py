@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,22 @@ class TrainData:
         return cls(d["seqs"], d["prompt_lens"], d["workloads"], d["modes"], d.get("info", {}))
 
 
+def encoded_prompts(
+    tokenizer: Any, workload: str, split: str, n: int | None, seed: int, max_prompt_tokens: int
+) -> list[tuple[list[int], Any]]:
+    """(chat-templated prompt ids, Prompt) for ``n`` prompts (all when None) of one
+    workload's ``split``; over-long prompts are dropped."""
+    from dspark_obs.engine.weights import encode_chat
+    from dspark_obs.workloads import load_prompts
+
+    out: list[tuple[list[int], Any]] = []
+    for pr in load_prompts(workload, split, n, seed):
+        ids = encode_chat(tokenizer, pr.messages)
+        if len(ids) <= max_prompt_tokens:
+            out.append((ids, pr))
+    return out
+
+
 def workload_prompts(
     tokenizer: Any,
     workloads: Sequence[str],
@@ -64,17 +80,33 @@ def workload_prompts(
     max_prompt_tokens: int,
 ) -> list[tuple[str, list[int]]]:
     """(workload, prompt ids) for each workload's prompts; over-long prompts are dropped."""
-    from dspark_obs.engine.weights import encode_chat
-    from dspark_obs.workloads import load_prompts
-
     out: list[tuple[str, list[int]]] = []
     for w in workloads:
         n = counts[w] if isinstance(counts, Mapping) else counts
-        for pr in load_prompts(w, split, n, seed):
-            ids = encode_chat(tokenizer, pr.messages)
-            if len(ids) <= max_prompt_tokens:
-                out.append((w, ids))
+        rows = encoded_prompts(tokenizer, w, split, n, seed, max_prompt_tokens)
+        out.extend((w, ids) for ids, _ in rows)
     return out
+
+
+def _sorted_generate(
+    runner: Any,
+    prompts: Sequence[Sequence[int]],
+    indices: Sequence[int],
+    max_new_tokens: int,
+    temperature: float,
+    gen: torch.Generator,
+    eos_ids: Sequence[int],
+    gen_batch_size: int,
+) -> Iterator[tuple[list[int], list[list[int]], int]]:
+    """Generate for ``prompts[i]``, i in ``indices``, in length-sorted batches (similar
+    prompt lengths waste less padding / compute). Yields (batch indices, their responses,
+    prompts done so far) one batch at a time, so callers can log between batches."""
+    order = sorted(indices, key=lambda i: len(prompts[i]))
+    for s in range(0, len(order), gen_batch_size):
+        idx = order[s : s + gen_batch_size]
+        batch = [prompts[i] for i in idx]
+        outs = runner.generate(batch, max_new_tokens, temperature, gen, eos_ids)
+        yield idx, outs, min(s + gen_batch_size, len(order))
 
 
 def build_train_data(
@@ -94,16 +126,16 @@ def build_train_data(
     gen = torch.Generator(device=runner.device).manual_seed(seed)
     t0 = time.time()
     ntok = 0
+    ids = [p for _, p in prompts]
     for m, mode in enumerate(modes):
         temp = 0.0 if mode == "greedy" else 1.0
         mine = [
             i for i in range(len(prompts)) if not one_mode_per_prompt or i % len(modes) == m
         ]
-        # length-sorted batches: similar prompt lengths waste less padding / compute
-        order = sorted(mine, key=lambda i: len(prompts[i][1]))
-        for s in range(0, len(order), gen_batch_size):
-            idx = order[s : s + gen_batch_size]
-            outs = runner.generate([prompts[i][1] for i in idx], max_new_tokens, temp, gen, eos_ids)
+        batches = _sorted_generate(
+            runner, ids, mine, max_new_tokens, temp, gen, eos_ids, gen_batch_size
+        )
+        for idx, outs, done in batches:
             for i, resp in zip(idx, outs, strict=True):
                 if len(resp) < 2:
                     continue
@@ -114,7 +146,7 @@ def build_train_data(
                 data.modes.append(mode)
                 ntok += len(resp)
             log(
-                f"[gen] {mode} {min(s + gen_batch_size, len(order))}/{len(order)} prompts, "
+                f"[gen] {mode} {done}/{len(mine)} prompts, "
                 f"{ntok} tokens, {ntok / max(time.time() - t0, 1e-9):.0f} tok/s"
             )
     data.info = {
@@ -148,13 +180,12 @@ def variant_prompts(
     own variants give many more distinct prompts whose responses it then writes."""
     gen = torch.Generator(device=runner.device).manual_seed(seed)
     eos = set(int(e) for e in eos_ids)
-    order = sorted(range(len(requests)), key=lambda i: len(requests[i][1]))
     out: list[tuple[str, list[int]]] = []
-    for s in range(0, len(order), gen_batch_size):
-        idx = order[s : s + gen_batch_size]
-        answers = runner.generate(
-            [requests[i][1] for i in idx], max_new_tokens, temperature, gen, eos_ids
-        )
+    ids = [r for _, r in requests]
+    batches = _sorted_generate(
+        runner, ids, range(len(ids)), max_new_tokens, temperature, gen, eos_ids, gen_batch_size
+    )
+    for idx, answers, done in batches:
         for i, ans in zip(idx, answers, strict=True):
             if not ans or ans[-1] not in eos:
                 continue
@@ -164,8 +195,7 @@ def variant_prompts(
             w = requests[i][0]
             prefix, suffix = wraps[w]
             out.append((w, [*prefix, *body, *suffix]))
-        done = min(s + gen_batch_size, len(order))
-        log(f"[variants] {done}/{len(order)} requests, kept {len(out)}")
+        log(f"[variants] {done}/{len(requests)} requests, kept {len(out)}")
     return out
 
 

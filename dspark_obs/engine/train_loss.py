@@ -90,7 +90,8 @@ def drafter_loss(
     if w_kl:
         kl = (p * (torch.log(p.clamp_min(1e-30)) - lq)).sum(-1)
         per = per + w_kl * kl
-    on_sample = on_greedy = torch.ones_like(tv)
+    on_sample: Tensor | float = 1.0  # per-row regime masks, or every row
+    on_greedy: Tensor | float = 1.0
     if regime is not None and z_greedy is not None:
         g = regime.to(tv.dtype).reshape(-1, *([1] * (tv.dim() - 1))).expand_as(tv)
         on_sample, on_greedy = 1.0 - g, g
