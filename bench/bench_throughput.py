@@ -125,9 +125,9 @@ def run_nospec(models: Any, reqs: Sequence[GenRequest], bs: int, device: torch.d
 
 def run_engine(models: Any, reqs: Sequence[GenRequest], bs: int, mode: str, table: Any,
                device: torch.device, compiled: bool = False,
-               backend: str = "batched") -> Measurement:
+               backend: str = "batched", whole_block: bool = True) -> Measurement:
     cfg = EngineConfig(mode=mode, gamma=GAMMA, max_batch=bs, cost_table=table, compile=compiled,
-                       backend=backend)
+                       backend=backend, whole_block_verify=whole_block)
     eng = Engine(models.target, models.drafter, cfg, models.stop_ids)
     sink = MemorySink()
     fan = FanOut([sink])
@@ -227,6 +227,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="cost table for compact (default: load_cost_table(None, device))")
     ap.add_argument("--backend", choices=("batched", "reference"), default="batched",
                     help="runtime of every variant, no-spec included (engine.no_spec)")
+    ap.add_argument("--whole-block", action=argparse.BooleanOptionalAction, default=True,
+                    help="verify right after drafting when a step verifies every block (one "
+                         "read-back per step); --no-whole-block: the step reads the drafts "
+                         "back first (engine v3 before this change), for an A/B")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="fuse each layer's dense pieces with torch.compile (default: on for "
                          "cuda, off for cpu)")
@@ -355,7 +359,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_nospec(models, reqs, bs, device, args.backend, args.compile)
         if v == "hf":
             return run_hf(hf, models, reqs, device)
-        return run_engine(models, reqs, bs, v, table, device, args.compile, args.backend)
+        return run_engine(models, reqs, bs, v, table, device, args.compile, args.backend,
+                          args.whole_block)
 
     for bs in args.batches:
         reqs = all_reqs[: sizes[bs]]

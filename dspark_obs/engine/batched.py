@@ -41,8 +41,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from dspark_obs.engine.block_verify import BlockVerified, block_summary
 from dspark_obs.engine.drafter import DraftBlock, Drafter
 from dspark_obs.engine.model import Target
 from dspark_obs.engine.packed import drafter_extend, drafter_states, target_forward
@@ -261,22 +263,60 @@ class BatchedRuntime:
     ) -> VerifyOut:
         """Run ``tokens[i]`` at the end of slot ``slots[i]`` (lengths advance by their count:
         commit smaller lengths to roll back). Under graphs a step pads to its tiers."""
+        counts = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
+        logits, argmax, pack = self._forward(
+            slots, counts, q=q or int(counts.max()), gather=gather, host_tokens=tokens
+        )
+        return VerifyOut(logits[: pack.n], argmax[: pack.n].cpu().numpy(), pack)
+
+    def verify_block(self, block: DraftBlock) -> BlockVerified:
+        """Verify the anchor and every draft of slots ``0..B-1`` (B = the block's rows)
+        without reading the drafts on the host: the pack's layout comes from the lengths,
+        its tokens are gathered on the device (see :mod:`~dspark_obs.engine.block_verify`).
+        The same graphs as :meth:`forward` replay, so the numbers are the same too."""
+        batch, gamma = block.tokens.shape
+        q = gamma + 1
+        anchors = self._device(self._anchors[:batch].copy())
+        tokens = torch.cat([anchors[:, None], block.tokens], dim=1).reshape(-1)
+        counts = np.full(batch, q, dtype=np.int64)
+        logits, argmax, pack = self._forward(
+            range(batch), counts, q=q, gather=False, device_tokens=tokens
+        )
+        n = pack.n
+        summary = block_summary(block.tokens, block.confidence, block.logprobs, argmax[:n])
+        return BlockVerified(logits[:n].view(batch, q, -1), summary, gamma)
+
+    def _forward(
+        self,
+        slots: Sequence[int],
+        counts: np.ndarray,
+        *,
+        q: int,
+        gather: bool,
+        host_tokens: Sequence[Sequence[int]] | None = None,
+        device_tokens: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Pack]:
+        """Launch one packed forward (tokens from the host lists or, already packed, from
+        the device); returns the device logits and argmax (padded rows included) and the
+        pack. Nothing here waits for the device."""
         lengths = self.pool.lengths
-        starts = [int(lengths[s]) for s in slots]
-        qn = q or max(len(t) for t in tokens)
-        n = sum(len(t) for t in tokens)
-        end = max(st + len(t) for st, t in zip(starts, tokens, strict=True))
+        slot_idx = np.asarray(slots, dtype=np.int64)
+        starts = lengths[slot_idx]
+        n = int(counts.sum())
+        end = int((starts + counts).max())
         if end > self.pool.max_len:
             raise RuntimeError(f"slot pool holds {self.pool.max_len} positions, step needs {end}")
-        batch = len(slots) if gather else max(slots) + 1
+        batch = len(slot_idx) if gather else int(slot_idx.max()) + 1
         bt = tier_of(batch, self.batch_tiers)
         nt = tier_of(n, self.token_tiers)
         graphed = self.graphs_on and bt <= self.pool.slots and nt in self.token_tiers
         if not graphed:  # eager (CPU, graphs off, or off the captured grid): exact sizes
             bt, nt = batch, n
-        pack = Pack.build(
-            slots, tokens, starts, q=qn, batch=bt, rows=nt, trash=self.pool.trash, gather=gather
-        )
+        shape = {"q": q, "batch": bt, "rows": nt, "trash": self.pool.trash, "gather": gather}
+        if host_tokens is not None:
+            pack = Pack.build(slot_idx, host_tokens, starts, **shape)
+        else:
+            pack = Pack.layout(slot_idx, counts, starts, **shape)
         span = self._span(end)
         inputs = {
             "tokens": self._device(pack.tokens),
@@ -284,17 +324,18 @@ class BatchedRuntime:
             "pos": self._device(pack.pos),
             "qidx": self._device(pack.qidx),
             "past": self._device(pack.past),
-            "q": torch.empty(qn, device=self.device),  # shape carriers (graph key parts)
+            "q": torch.empty(q, device=self.device),  # shape carriers (graph key parts)
             "span": torch.empty(span, device=self.device),
         }
+        if device_tokens is not None:
+            inputs["tokens"] = F.pad(device_tokens, (0, nt - n))
         if gather:
             inputs["row_slot"] = self._device(pack.row_slot)
         bank = "verify" if graphed else "eager"
-        logits, argmax = self._run(bank, (qn, bt, nt, span, gather), self._verify_fn, inputs)
-        for s, c in zip(slots, pack.counts, strict=True):
-            lengths[s] += int(c)
+        logits, argmax = self._run(bank, (q, bt, nt, span, gather), self._verify_fn, inputs)
+        lengths[slot_idx] += counts
         self.target.tokens_processed += pack.n
-        return VerifyOut(logits[: pack.n], argmax[: pack.n].cpu().numpy(), pack)
+        return logits, argmax, pack
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> Tensor:
         """Run prompts into empty slots together: float logits [k, V] of each prompt's last

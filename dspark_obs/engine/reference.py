@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dspark_obs.engine.block_verify import BlockVerified, block_summary
 from dspark_obs.engine.drafter import DraftBlock, Drafter
 from dspark_obs.engine.drafter_cache import DrafterCache
 from dspark_obs.engine.model import KVCache, Target
@@ -154,3 +155,15 @@ class ReferenceRuntime:
                 s.pending.append(h)
         argmax = [row.argmax(-1).cpu().numpy() for row in out.logits]
         return ReferenceVerified(list(out.logits), argmax)
+
+    def verify_block(self, block: DraftBlock) -> BlockVerified:
+        """Verify the anchor and every draft of slots ``0..B-1`` (one :meth:`forward`)."""
+        batch, gamma = block.tokens.shape
+        drafts = block.tokens.tolist()
+        rows = [[self._slot(i).anchor, *drafts[i]] for i in range(batch)]
+        out = self.forward(range(batch), rows)
+        argmax = torch.from_numpy(np.stack(out.argmax))
+        summary = block_summary(
+            block.tokens.cpu(), block.confidence.cpu(), block.logprobs.cpu(), argmax
+        )
+        return BlockVerified(out.logits, summary, gamma)

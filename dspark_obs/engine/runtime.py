@@ -15,7 +15,9 @@ The shared contract:
   :meth:`Runtime.commit` keeps a slot's first ``length`` positions (rolling back rejected
   drafts) and sets the token it drafts from next; the drafter's context follows what was
   committed, nothing else;
-* :meth:`Runtime.draft` drafts one block for slots ``0..B-1`` from their anchors.
+* :meth:`Runtime.draft` drafts one block for slots ``0..B-1`` from their anchors;
+  :meth:`Runtime.verify_block` verifies all of it (anchor + every draft) without the host
+  reading the drafts first.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from torch import Tensor
 
 from dspark_obs.engine.batched import BatchedRuntime, shared_runtime
+from dspark_obs.engine.block_verify import BlockVerified
 from dspark_obs.engine.drafter import DraftBlock, Drafter
 from dspark_obs.engine.model import Target
 from dspark_obs.engine.reference import ReferenceRuntime
@@ -99,6 +102,11 @@ class Runtime(Protocol):
         self, slots: Sequence[int], tokens: Sequence[Sequence[int]], *, q: int | None = None
     ) -> Verified:
         """Run ``tokens[i]`` at the end of slot ``slots[i]`` (one packed forward)."""
+        ...
+
+    def verify_block(self, block: DraftBlock) -> BlockVerified:
+        """Verify the anchor and all drafts of slots ``0..B-1`` (B = the block's rows), the
+        drafts staying on the device; ``fetch()`` on the result is the one read-back."""
         ...
 
 

@@ -171,6 +171,18 @@ class ConfidenceRelay:
         self._hist.clear()
         self._gamma = None
 
+    def peek(self, rids: Sequence[Hashable], gamma: int) -> np.ndarray | None:
+        """What :meth:`step` will return for this batch, before its current survival is known
+        (None with ``lag`` 0: then it is the current survival itself)."""
+        if self._lag == 0:
+            return None
+        out = np.ones((len(rids), gamma), dtype=np.float64)
+        for i, rid in enumerate(rids):
+            h = self._hist.get(rid)
+            if h is not None and len(h) >= self._lag:
+                out[i] = h[len(h) - self._lag]
+        return out
+
     def step(self, rids: Sequence[Hashable], survival_now: np.ndarray) -> np.ndarray:
         """Record this step's survival and return the lagged ``[bs, gamma]`` survival (float64)."""
         arr = _as_survival(survival_now, "survival_now")
@@ -227,6 +239,20 @@ class Scheduler:
         self.relay = ConfidenceRelay(lag)
         self.forced_budget_frac: float | None = None
         self.last_decision: BudgetDecision | None = None
+
+    def budget_ahead(self, rids: Sequence[Hashable]) -> int | None:
+        """The budget :meth:`plan` will pick for this batch, known before the step drafts (the
+        budget reads lagged survival only); None when it needs the current survival (lag 0).
+        A full budget lets the step verify every block without waiting for the drafts."""
+        bs = len(rids)
+        if self.forced_budget_frac is not None:
+            return max(0, int(float(self.forced_budget_frac) * bs * self.gamma))
+        if self.table is None or self.table.uninitialized:
+            return bs * self.gamma
+        lagged = self.relay.peek(rids, self.gamma)
+        if lagged is None:
+            return None
+        return sps_decision(lagged, self.table, survival_eps=self.survival_eps).budget
 
     def plan(self, rids: Sequence[Hashable], survival_now: np.ndarray) -> tuple[int, np.ndarray]:
         """``(budget, verify_lens)`` for this step; also sets :attr:`last_decision`."""

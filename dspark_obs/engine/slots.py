@@ -146,6 +146,30 @@ class Pack:
         grid covers only these requests; attention gathers their slots' caches): what a
         prefill of a few requests wants, whatever their slot numbers."""
         counts = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
+        pack = cls.layout(
+            slots, counts, starts, q=q, batch=batch, rows=rows, trash=trash, gather=gather
+        )
+        pack.tokens[: pack.n] = np.fromiter(
+            (x for t in tokens for x in t), dtype=np.int64, count=pack.n
+        )
+        return pack
+
+    @classmethod
+    def layout(
+        cls,
+        slots: Sequence[int],
+        counts: np.ndarray,
+        starts: Sequence[int],
+        *,
+        q: int,
+        batch: int,
+        rows: int,
+        trash: int,
+        gather: bool = False,
+    ) -> Pack:
+        """:meth:`build`'s index arrays from the token counts alone (``tokens`` left zero): a
+        pack whose tokens are filled on the device (:meth:`BatchedRuntime.verify_block`)."""
+        counts = np.asarray(counts, dtype=np.int64)
         n = int(counts.sum())
         slot_arr = np.asarray(slots, dtype=np.int64)
         grid_row = np.arange(len(slots), dtype=np.int64) if gather else slot_arr
@@ -154,7 +178,6 @@ class Pack:
         within = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)
         owner = np.repeat(slot_arr, counts)
         tok = np.zeros(rows, dtype=np.int64)
-        tok[:n] = np.fromiter((x for t in tokens for x in t), dtype=np.int64, count=n)
         slot = np.full(rows, trash, dtype=np.int64)
         slot[:n] = owner
         pos = np.zeros(rows, dtype=np.int64)

@@ -20,7 +20,7 @@ The record work of step k runs while the device drafts step k + 1 (``overlap``),
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -32,6 +32,7 @@ from dspark_obs.engine.acceptance import (
     AcceptResult,
     accept,
     greedy_accept_argmax,
+    greedy_accept_batch,
     process_logits,
     process_logprobs,
 )
@@ -92,6 +93,7 @@ class StepPipeline:
         self.scheduler = scheduler
         self.rt = runtime
         self.on_tokens = on_tokens
+        self._records_read_logits = False  # the last step's records read its target rows
 
     def step(
         self,
@@ -112,16 +114,31 @@ class StepPipeline:
         if events:
             events[0].record()
         bs = len(running)
+        whole = self._verifies_whole_blocks(running)
+        lengths_before = [self.rt.length(r.slot) for r in running]
         block = self._draft(running)
         if events:
             events[1].record()
-        if cfg.overlap:
+        if cfg.overlap and (not whole or self._records_read_logits):
             run_pending(pending)  # the previous step's records, while the device drafts
-        conf = block.confidence.float().cpu().numpy()
+        verified = None
+        if whole:  # launched now: nothing on the host waits between draft and verify
+            if events:
+                events[2].record()
+            verified = self.rt.verify_block(block)
+            if events:
+                events[3].record()
+            if cfg.overlap:
+                run_pending(pending)  # the logits they read are not this verify's buffer
+            host = verified.fetch()  # the step's one device-to-host copy
+            conf, dt_np = host.confidence, host.drafts
+            draft_lp = torch.from_numpy(host.logprobs)
+        else:
+            conf = block.confidence.float().cpu().numpy()
+            draft_tokens = block.tokens.cpu()
+            dt_np = draft_tokens.numpy()
+            draft_lp = block.logprobs.float().cpu()
         survival = np.cumprod(conf, axis=1)
-        draft_tokens = block.tokens.cpu()
-        dt_np = draft_tokens.numpy()
-        draft_lp = block.logprobs.float().cpu()
         t_draft = time.perf_counter()
 
         if cfg.mode == "static":
@@ -131,14 +148,26 @@ class StepPipeline:
             budget, verify_lens = self.scheduler.plan([r.req.rid for r in running], survival)
             decision = self.scheduler.last_decision
         send = verify_lens if cfg.mode == "compact" else np.full(bs, gamma + 1, dtype=np.int64)
-        lengths_before = [self.rt.length(r.slot) for r in running]
-        if events:
-            events[2].record()
-        all_logits, preds = self._verify(running, draft_tokens, verify_lens, send)
-        if events:
-            events[3].record()
+        accepted = None
+        if verified is not None:
+            if budget != bs * gamma:
+                raise RuntimeError(f"budget {budget} differs from the full one planned ahead")
+            all_logits: Sequence[torch.Tensor] = verified.rows(send)
+            window = verify_lens if cfg.mode == "cap-accept" else None
+            accepted = greedy_accept_batch(
+                host.argmax, dt_np, send, self.target.cfg.vocab_size, windows=window
+            )
+            preds: list[np.ndarray] = []
+        else:
+            if events:
+                events[2].record()
+            all_logits, preds = self._verify(running, draft_tokens, verify_lens, send)
+            if events:
+                events[3].record()
         t_verify = time.perf_counter()
         for i, live in enumerate(running):  # penalties, then min_new_tokens' stop mask
+            if verified is not None:
+                break  # a whole-block step has neither (see _verifies_whole_blocks)
             k = live.masked_rows(int(send[i]))
             if live.counts is not None:
                 all_logits[i] = live.req.penalties.apply(all_logits[i], live.counts, dt_np[i])
@@ -148,9 +177,13 @@ class StepPipeline:
                 preds[i] = all_logits[i].argmax(-1).cpu().numpy()
 
         done, outcomes = self._accept_and_commit(
-            running, block, dt_np, verify_lens, send, all_logits, preds, lengths_before, result
+            running, block, dt_np, verify_lens, send, all_logits, preds, lengths_before, result,
+            accepted,
         )
         t_end = time.perf_counter()
+        self._records_read_logits = bool((verify_lens <= gamma).any()) or any(
+            live.censored for live in running
+        )
 
         pred_ms = theta = None
         if decision is not None:
@@ -192,13 +225,15 @@ class StepPipeline:
         dt_np: np.ndarray,
         verify_lens: np.ndarray,
         send: np.ndarray,
-        all_logits: list[torch.Tensor],
+        all_logits: Sequence[torch.Tensor],
         preds: list[np.ndarray],
         lengths_before: list[int],
         result: RunResult,
+        accepted: list[AcceptResult] | None = None,
     ) -> tuple[list[Live], list[Outcome]]:
-        """Acceptance per request, the stop / length cut, the commit into the caches; returns
-        the finished requests and every request's outcome."""
+        """Acceptance per request (``accepted``: already decided for the whole batch), the
+        stop / length cut, the commit into the caches; returns the finished requests and
+        every request's outcome."""
         cfg, gamma = self.cfg, self.cfg.gamma
         done: list[Live] = []
         outcomes: list[Outcome] = []
@@ -208,7 +243,9 @@ class StepPipeline:
             w, n = int(verify_lens[i]), int(send[i])
             drafts = dt_np[i, : n - 1]
             window = w if cfg.mode == "cap-accept" else None
-            if live.greedy:
+            if accepted is not None:
+                res = accepted[i]
+            elif live.greedy:
                 res = greedy_accept_argmax(preds[i], drafts, vocab, window=window)
             else:
                 probs = process_logits(
@@ -247,6 +284,22 @@ class StepPipeline:
             live.anchor = committed[-1]
             self.rt.commit(live.slot, lengths_before[i] + keep, live.anchor)
         return done, outcomes
+
+    def _verifies_whole_blocks(self, running: list[Live]) -> bool:
+        """Whether this step verifies every request's whole block, decided before it drafts:
+        every row greedy, with no penalty and no ``min_new_tokens`` mask (those rewrite the
+        target rows on the host), and a budget (from lagged survival) covering every draft.
+        Such a step runs draft and verify back to back (:meth:`Runtime.verify_block`)."""
+        cfg, q = self.cfg, self.cfg.gamma + 1
+        if not cfg.whole_block_verify:
+            return False
+        for live in running:
+            if not live.greedy or live.counts is not None or live.masked_rows(q):
+                return False
+        if cfg.mode == "static":
+            return True
+        budget = self.scheduler.budget_ahead([r.req.rid for r in running])
+        return budget == len(running) * cfg.gamma
 
     def _draft(self, running: list[Live]) -> DraftBlock:
         """One block per running request (batched: launched on the device, not waited for)."""

@@ -61,6 +61,7 @@ class EngineConfig:
     backend: str = "auto"  # see BACKENDS
     cuda_graphs: bool = True  # batched backend on CUDA: replay captured graphs
     overlap: bool = True  # build step k's records while the device drafts step k + 1
+    whole_block_verify: bool = True  # verify right after drafting when every block is verified
     compile: bool = False  # batched backend: fuse each layer's dense pieces (torch.compile)
     capture_graphs: bool = False  # capture every decode-step CUDA graph before the first step
     token_tiers: tuple[int, ...] | None = None  # packed-token counts graphs are captured for
