@@ -63,6 +63,7 @@ def test_batch_acceptance_names_bad_input() -> None:
 def test_budget_ahead_is_the_budget_plan_then_picks(lag: int) -> None:
     rng = np.random.default_rng(lag)
     sched = Scheduler(_mild_table(), gamma=5, lag=lag)
+    plain = Scheduler(_mild_table(), gamma=5, lag=lag)  # never asked ahead
     alive = [f"r{i}" for i in range(4)]
     nxt, full = 4, 0
     for _ in range(60):
@@ -73,8 +74,11 @@ def test_budget_ahead_is_the_budget_plan_then_picks(lag: int) -> None:
         low = 0.6 if rng.random() < 0.5 else 0.9999  # confident batches verify everything
         conf = rng.uniform(low, 1.0, size=(len(alive), 5))
         ahead = sched.budget_ahead(alive)
-        budget, _ = sched.plan(alive, np.cumprod(conf, axis=1))
-        assert ahead == budget
+        budget, windows = sched.plan(alive, np.cumprod(conf, axis=1))
+        want, want_windows = plain.plan(alive, np.cumprod(conf, axis=1))
+        assert ahead == budget == want
+        assert windows.tolist() == want_windows.tolist()
+        assert sched.last_decision == plain.last_decision
         full += budget == len(alive) * 5
     assert 0 < full < 60  # both kinds of step happened
     assert Scheduler(_mild_table(), gamma=5, lag=0).budget_ahead(alive) is None

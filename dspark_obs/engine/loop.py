@@ -208,7 +208,7 @@ class Engine:
         self.check(requests)
         self._take_cancels()  # cancels left from an earlier run must not hit this one's ids
         self._on_tokens = on_tokens
-        self.scheduler.relay.reset()
+        self.scheduler.reset()
         waiting = sorted(requests, key=lambda r: (r.arrival_step, r.rid))
         self._prepare(requests, start=True)
         cfg = self.cfg

@@ -239,12 +239,19 @@ class Scheduler:
         self.relay = ConfidenceRelay(lag)
         self.forced_budget_frac: float | None = None
         self.last_decision: BudgetDecision | None = None
+        self._ahead: tuple[list[Hashable], BudgetDecision] | None = None  # from budget_ahead
+
+    def reset(self) -> None:
+        """Forget every request's history (a new run starts)."""
+        self.relay.reset()
+        self._ahead = None
 
     def budget_ahead(self, rids: Sequence[Hashable]) -> int | None:
         """The budget :meth:`plan` will pick for this batch, known before the step drafts (the
         budget reads lagged survival only); None when it needs the current survival (lag 0).
         A full budget lets the step verify every block without waiting for the drafts."""
         bs = len(rids)
+        self._ahead = None
         if self.forced_budget_frac is not None:
             return max(0, int(float(self.forced_budget_frac) * bs * self.gamma))
         if self.table is None or self.table.uninitialized:
@@ -252,7 +259,9 @@ class Scheduler:
         lagged = self.relay.peek(rids, self.gamma)
         if lagged is None:
             return None
-        return sps_decision(lagged, self.table, survival_eps=self.survival_eps).budget
+        decision = sps_decision(lagged, self.table, survival_eps=self.survival_eps)
+        self._ahead = (list(rids), decision)  # plan() reuses it: the same lagged rows
+        return decision.budget
 
     def plan(self, rids: Sequence[Hashable], survival_now: np.ndarray) -> tuple[int, np.ndarray]:
         """``(budget, verify_lens)`` for this step; also sets :attr:`last_decision`."""
@@ -273,6 +282,10 @@ class Scheduler:
             self.last_decision = None
             return bs * gamma, np.full(bs, gamma + 1, dtype=np.int64)
         lagged = self.relay.step(rids, arr)
-        decision = sps_decision(lagged, self.table, survival_eps=self.survival_eps)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == list(rids):
+            decision = ahead[1]
+        else:
+            decision = sps_decision(lagged, self.table, survival_eps=self.survival_eps)
         self.last_decision = decision
         return decision.budget, allocate(arr, decision.budget, survival_eps=self.survival_eps)
