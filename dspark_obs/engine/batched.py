@@ -318,8 +318,12 @@ class BatchedRuntime:
         else:
             pack = Pack.layout(slot_idx, counts, starts, **shape)
         span = self._span(end)
+        if device_tokens is None:
+            tokens = self._device(pack.tokens)
+        else:  # already on the device: pad to the tier, no upload
+            tokens = F.pad(device_tokens, (0, nt - n))
         inputs = {
-            "tokens": self._device(pack.tokens),
+            "tokens": tokens,
             "slot": self._device(pack.slot),
             "pos": self._device(pack.pos),
             "qidx": self._device(pack.qidx),
@@ -327,8 +331,6 @@ class BatchedRuntime:
             "q": torch.empty(q, device=self.device),  # shape carriers (graph key parts)
             "span": torch.empty(span, device=self.device),
         }
-        if device_tokens is not None:
-            inputs["tokens"] = F.pad(device_tokens, (0, nt - n))
         if gather:
             inputs["row_slot"] = self._device(pack.row_slot)
         bank = "verify" if graphed else "eager"

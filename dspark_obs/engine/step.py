@@ -165,9 +165,8 @@ class StepPipeline:
             if events:
                 events[3].record()
         t_verify = time.perf_counter()
-        for i, live in enumerate(running):  # penalties, then min_new_tokens' stop mask
-            if verified is not None:
-                break  # a whole-block step has neither (see _verifies_whole_blocks)
+        for i, live in enumerate(running if verified is None else ()):
+            # penalties, then min_new_tokens' stop mask (a whole-block step has neither)
             k = live.masked_rows(int(send[i]))
             if live.counts is not None:
                 all_logits[i] = live.req.penalties.apply(all_logits[i], live.counts, dt_np[i])
