@@ -125,9 +125,10 @@ def run_nospec(models: Any, reqs: Sequence[GenRequest], bs: int, device: torch.d
 
 def run_engine(models: Any, reqs: Sequence[GenRequest], bs: int, mode: str, table: Any,
                device: torch.device, compiled: bool = False,
-               backend: str = "batched", whole_block: bool = True) -> Measurement:
+               backend: str = "batched", whole_block: bool = True,
+               launch_ahead: bool = True) -> Measurement:
     cfg = EngineConfig(mode=mode, gamma=GAMMA, max_batch=bs, cost_table=table, compile=compiled,
-                       backend=backend, whole_block_verify=whole_block)
+                       backend=backend, whole_block_verify=whole_block, launch_ahead=launch_ahead)
     eng = Engine(models.target, models.drafter, cfg, models.stop_ids)
     sink = MemorySink()
     fan = FanOut([sink])
@@ -231,6 +232,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="verify right after drafting when a step verifies every block (one "
                          "read-back per step); --no-whole-block: the step reads the drafts "
                          "back first (engine v3 before this change), for an A/B")
+    ap.add_argument("--launch-ahead", action=argparse.BooleanOptionalAction, default=True,
+                    help="launch a whole-block step before reading the one before it (the "
+                         "host's work overlaps the device's next step); --no-launch-ahead: "
+                         "read each step before the next launches, for an A/B")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="fuse each layer's dense pieces with torch.compile (default: on for "
                          "cuda, off for cpu)")
@@ -360,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if v == "hf":
             return run_hf(hf, models, reqs, device)
         return run_engine(models, reqs, bs, v, table, device, args.compile, args.backend,
-                          args.whole_block)
+                          args.whole_block, args.launch_ahead)
 
     for bs in args.batches:
         reqs = all_reqs[: sizes[bs]]

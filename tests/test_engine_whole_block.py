@@ -103,9 +103,9 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     for cls in (BatchedRuntime, ReferenceRuntime):
         real = cls.verify_block
 
-        def spy(self, block, _real=real):  # type: ignore[no-untyped-def]
+        def spy(self, block, floor=None, _real=real):  # type: ignore[no-untyped-def]
             calls["whole"] += 1
-            return _real(self, block)
+            return _real(self, block, floor)
 
         monkeypatch.setattr(cls, "verify_block", spy)
     return calls
@@ -125,8 +125,8 @@ def test_whole_block_steps_change_no_token_and_no_record(
     out = {}
     for whole in (True, False):
         calls["whole"] = 0
-        cfg = EngineConfig(mode=mode, max_batch=3, backend=backend,
-                           cost_table=_mild_table(), whole_block_verify=whole)  # fmt: skip
+        cfg = EngineConfig(mode=mode, max_batch=3, backend=backend, cost_table=_mild_table(),
+                           whole_block_verify=whole, launch_ahead=False)  # fmt: skip
         res, tables = _records(target, drafter, cfg, reqs)
         out[whole] = (res.outputs, tables, res.steps, calls["whole"])
     (outs_a, tables_a, steps, whole_steps), (outs_b, tables_b, _, none) = out[True], out[False]

@@ -44,7 +44,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dspark_obs.engine.block_verify import BlockVerified, block_summary
+from dspark_obs.engine.block_verify import (
+    BlockVerified,
+    accept_on_device,
+    block_summary,
+    survival_of,
+)
 from dspark_obs.engine.drafter import DraftBlock, Drafter
 from dspark_obs.engine.model import Target
 from dspark_obs.engine.packed import drafter_extend, drafter_states, target_forward
@@ -60,6 +65,7 @@ from dspark_obs.engine.slots import (
 )
 
 __all__ = ["BatchedRuntime", "VerifyOut", "shared_runtime"]
+
 
 # --------------------------------------------------------------------------- the runtime
 @dataclass
@@ -117,6 +123,7 @@ class BatchedRuntime:
         self.key: tuple = ()  # shared_runtime's settings key
         self._anchors = np.zeros(1, dtype=np.int64)
         self._sts_rows: tuple[np.ndarray, np.ndarray] | None = None  # read at the first draft
+        self._layouts: dict[tuple[int, int, int, int], tuple[Tensor, Tensor, Tensor]] = {}
         self.pool = self._new_pool(max_batch, max_len)
 
     def _new_pool(self, max_batch: int, max_len: int) -> SlotPool:
@@ -127,6 +134,16 @@ class BatchedRuntime:
         keep = min(len(self._anchors), len(anchors)) - 1
         anchors[:keep] = self._anchors[:keep]
         self._anchors = anchors
+        # The device's own copy of every slot's length and anchor: what drafts and whole-block
+        # verifies read, and what the device's greedy acceptance advances (verify_block), so
+        # a step can launch before the host has read the one before it. ``_ahead_by[s]``:
+        # device steps slot s took that the host has not committed yet; ``_dirty``: slots
+        # whose host values changed (prefill, forward, a host commit, a move), uploaded
+        # before the next launch.
+        self._dlen = torch.zeros(slots + 1, dtype=torch.long, device=self.device)
+        self._danchor = torch.zeros(slots + 1, dtype=torch.long, device=self.device)
+        self._ahead_by = np.zeros(slots + 1, dtype=np.int64)
+        self._dirty: set[int] = set(range(slots + 1))
         self._banks: dict[str, GraphBank] = {}
         if self.graphs_on:
             self._banks = {
@@ -144,12 +161,20 @@ class BatchedRuntime:
         if self.used and max_batch > old.slots:
             raise RuntimeError("cannot add slots while requests are running")
         captured = self.graph_capture_seconds  # the old graphs go with the old pool
+        old_dlen, old_danchor, old_ahead, dirty = (
+            self._dlen, self._danchor, self._ahead_by, self._dirty
+        )  # fmt: skip
         new = self._new_pool(max(max_batch, old.slots), max(max_len, old.max_len))
         n = old.max_len
         new.kv[:, :, : self.used, :, :n] = old.kv[:, :, : self.used]
         if new.dkv is not None and old.dkv is not None:
             new.dkv[:, :, : self.used, :, :n] = old.dkv[:, :, : self.used]
         new.lengths[: self.used] = old.lengths[: self.used]
+        used = self.used
+        self._dlen[:used] = old_dlen[:used]
+        self._danchor[:used] = old_danchor[:used]
+        self._ahead_by[:used] = old_ahead[:used]
+        self._dirty = {s for s in dirty if s < used} | set(range(used, new.slots + 1))
         self.pool = new
         self.capture_seconds = captured
 
@@ -167,29 +192,79 @@ class BatchedRuntime:
         self.used -= 1
         if slot == last:
             self.pool.lengths[slot] = 0
+            self._dlen[slot] = 0
+            self._ahead_by[slot] = 0
+            self._dirty.discard(slot)
             return None
-        self.pool.move(last, slot)
+        self.pool.move(last, slot, extra=int(self._ahead_by[last]) * (self.gamma + 1))
         self._anchors[slot] = self._anchors[last]
+        self._dlen[slot] = self._dlen[last]
+        self._danchor[slot] = self._danchor[last]
+        self._dlen[last] = 0
+        self._ahead_by[slot], self._ahead_by[last] = self._ahead_by[last], 0
+        self._dirty.discard(slot)
+        if last in self._dirty:
+            self._dirty.discard(last)
+            self._dirty.add(slot)
         return last
 
     def length(self, slot: int) -> int:
         return int(self.pool.lengths[slot])
 
-    def commit(self, slot: int, length: int, anchor: int) -> None:
+    def commit(self, slot: int, length: int, anchor: int, *, on_device: bool = False) -> None:
         """Keep the slot's first ``length`` positions (rolls back rejected drafts, O(1)) and
-        set the token it drafts from next."""
+        set the token it drafts from next. ``on_device``: the commit of the slot's oldest
+        :meth:`verify_block` the host had not committed, which the device made already."""
+        if on_device:
+            if self._ahead_by[slot] < 1:
+                raise RuntimeError(f"slot {slot} has no whole-block verify left to commit")
+            self._ahead_by[slot] -= 1
+        elif self._ahead_by[slot]:
+            raise RuntimeError(f"slot {slot} has a whole-block verify the host has not committed")
+        else:
+            self._dirty.add(slot)
         self.pool.lengths[slot] = length
         self._anchors[slot] = anchor
 
     def set_anchor(self, slot: int, token: int) -> None:
         self._anchors[slot] = token
+        self._dirty.add(slot)
 
     def reset(self) -> None:
         """Forget every running request (a new run starts; the drafter's STS temperatures
         are read again at its first draft)."""
         self.used = 0
         self.pool.lengths[:] = 0
+        self._dlen.zero_()
+        self._ahead_by[:] = 0
+        self._dirty = set(range(len(self._ahead_by)))
         self._sts_rows = None
+
+    def can_launch_ahead(self, batch: int) -> bool:
+        """Whether slots ``0..batch-1`` can take one more draft and whole-block verify before
+        the host reads the last one (drafts and verifies start from the device's lengths and
+        anchors): room in the pool for what the longest of them writes."""
+        reach = max(self.gamma + 1, self.drafter.cfg.gamma_max if self.drafter else 0)
+        return self._longest(batch) + reach <= self.pool.max_len
+
+    def _flush(self) -> None:
+        """Upload the host's length and anchor of every slot the host changed."""
+        if not self._dirty:
+            return
+        idx = np.fromiter(sorted(self._dirty), dtype=np.int64)
+        self._dirty.clear()
+        at = self._device(idx)
+        self._dlen[at] = self._device(self.pool.lengths[idx].copy())
+        self._danchor[at] = self._device(self._anchors[idx].copy())
+
+    def _longest(self, batch: int) -> int:
+        """The longest of slots ``0..batch-1`` on the device: exact on a synchronous runtime;
+        on a GPU an upper bound (the host's length plus ``gamma + 1`` per device step not yet
+        committed), so nothing waits for the device."""
+        if not self.asynchronous:
+            return int(self._dlen[:batch].max())
+        q = self.gamma + 1
+        return int((self.pool.lengths[:batch] + self._ahead_by[:batch] * q).max())
 
     @property
     def asynchronous(self) -> bool:
@@ -220,8 +295,18 @@ class BatchedRuntime:
         row_slot: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         normed, feats = target_forward(
-            self.target, self.pool.kv, tokens, slot, pos, qidx, past, q.shape[0], span.shape[0],
-            self.hidden_layers, self.compiled, row_slot,
+            self.target,
+            self.pool.kv,
+            tokens,
+            slot,
+            pos,
+            qidx,
+            past,
+            q.shape[0],
+            span.shape[0],
+            self.hidden_layers,
+            self.compiled,
+            row_slot,
         )
         if self.drafter is not None and self.pool.dkv is not None:
             drafter_extend(self.drafter, self.pool.dkv, feats, slot, pos)
@@ -262,68 +347,27 @@ class BatchedRuntime:
         gather: bool = False,
     ) -> VerifyOut:
         """Run ``tokens[i]`` at the end of slot ``slots[i]`` (lengths advance by their count:
-        commit smaller lengths to roll back). Under graphs a step pads to its tiers."""
+        commit smaller lengths to roll back). Under graphs a step pads to its tiers. Nothing
+        here waits for the device but the argmax read."""
         counts = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
-        logits, argmax, pack = self._forward(
-            slots, counts, q=q or int(counts.max()), gather=gather, host_tokens=tokens
-        )
-        return VerifyOut(logits[: pack.n], argmax[: pack.n].cpu().numpy(), pack)
-
-    def verify_block(self, block: DraftBlock) -> BlockVerified:
-        """Verify the anchor and every draft of slots ``0..B-1`` (B = the block's rows)
-        without reading the drafts on the host: the pack's layout comes from the lengths,
-        its tokens are gathered on the device (see :mod:`~dspark_obs.engine.block_verify`).
-        The same graphs as :meth:`forward` replay, so the numbers are the same too."""
-        batch, gamma = block.tokens.shape
-        q = gamma + 1
-        anchors = self._device(self._anchors[:batch].copy())
-        tokens = torch.cat([anchors[:, None], block.tokens], dim=1).reshape(-1)
-        counts = np.full(batch, q, dtype=np.int64)
-        logits, argmax, pack = self._forward(
-            range(batch), counts, q=q, gather=False, device_tokens=tokens
-        )
-        n = pack.n
-        summary = block_summary(block.tokens, block.confidence, block.logprobs, argmax[:n])
-        return BlockVerified(logits[:n].view(batch, q, -1), summary, gamma)
-
-    def _forward(
-        self,
-        slots: Sequence[int],
-        counts: np.ndarray,
-        *,
-        q: int,
-        gather: bool,
-        host_tokens: Sequence[Sequence[int]] | None = None,
-        device_tokens: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor, Pack]:
-        """Launch one packed forward (tokens from the host lists or, already packed, from
-        the device); returns the device logits and argmax (padded rows included) and the
-        pack. Nothing here waits for the device."""
+        q = q or int(counts.max())
         lengths = self.pool.lengths
         slot_idx = np.asarray(slots, dtype=np.int64)
+        if self._ahead_by[slot_idx].any():
+            raise RuntimeError("forward on a slot with a whole-block verify not committed")
+        self._dirty.update(slot_idx.tolist())
         starts = lengths[slot_idx]
-        n = int(counts.sum())
         end = int((starts + counts).max())
         if end > self.pool.max_len:
             raise RuntimeError(f"slot pool holds {self.pool.max_len} positions, step needs {end}")
         batch = len(slot_idx) if gather else int(slot_idx.max()) + 1
-        bt = tier_of(batch, self.batch_tiers)
-        nt = tier_of(n, self.token_tiers)
-        graphed = self.graphs_on and bt <= self.pool.slots and nt in self.token_tiers
-        if not graphed:  # eager (CPU, graphs off, or off the captured grid): exact sizes
-            bt, nt = batch, n
-        shape = {"q": q, "batch": bt, "rows": nt, "trash": self.pool.trash, "gather": gather}
-        if host_tokens is not None:
-            pack = Pack.build(slot_idx, host_tokens, starts, **shape)
-        else:
-            pack = Pack.layout(slot_idx, counts, starts, **shape)
+        bt, nt, bank = self._tiers(batch, int(counts.sum()))
+        pack = Pack.build(
+            slot_idx, tokens, starts, q=q, batch=bt, rows=nt, trash=self.pool.trash, gather=gather
+        )
         span = self._span(end)
-        if device_tokens is None:
-            tokens = self._device(pack.tokens)
-        else:  # already on the device: pad to the tier, no upload
-            tokens = F.pad(device_tokens, (0, nt - n))
         inputs = {
-            "tokens": tokens,
+            "tokens": self._device(pack.tokens),
             "slot": self._device(pack.slot),
             "pos": self._device(pack.pos),
             "qidx": self._device(pack.qidx),
@@ -333,11 +377,83 @@ class BatchedRuntime:
         }
         if gather:
             inputs["row_slot"] = self._device(pack.row_slot)
-        bank = "verify" if graphed else "eager"
         logits, argmax = self._run(bank, (q, bt, nt, span, gather), self._verify_fn, inputs)
         lengths[slot_idx] += counts
         self.target.tokens_processed += pack.n
-        return logits, argmax, pack
+        return VerifyOut(logits[: pack.n], argmax[: pack.n].cpu().numpy(), pack)
+
+    def _tiers(self, batch: int, n: int) -> tuple[int, int, str]:
+        """The (batch, token) tiers a forward pads to and its graph bank; eager (CPU, graphs
+        off, or off the captured grid) runs exact sizes."""
+        bt, nt = tier_of(batch, self.batch_tiers), tier_of(n, self.token_tiers)
+        if self.graphs_on and bt <= self.pool.slots and nt in self.token_tiers:
+            return bt, nt, "verify"
+        return batch, n, "eager"
+
+    def verify_block(self, block: DraftBlock, floor: float | None = None) -> BlockVerified:
+        """Verify the anchor and every draft of slots ``0..B-1`` (B = the block's rows) and
+        accept greedily, all on the device: the pack's layout comes from the device lengths,
+        its tokens from the device anchors and the drafts (see :mod:`~dspark_obs.engine.
+        block_verify`), and :func:`~dspark_obs.engine.block_verify.accept_on_device` (windows
+        cut at survival ``floor``) advances the device lengths and anchors, so the next draft
+        can launch before the host reads this one. The host commits each row with
+        ``commit(..., on_device=True)``. The same graphs as :meth:`forward` replay, so the
+        numbers are the same too."""
+        batch, gamma = block.tokens.shape
+        q, n = gamma + 1, batch * gamma + batch
+        self._flush()
+        end = self._longest(batch) + q
+        if end > self.pool.max_len:
+            raise RuntimeError(f"slot pool holds {self.pool.max_len} positions, step needs {end}")
+        bt, nt, bank = self._tiers(batch, n)
+        slot, qidx, within = self._block_layout(batch, q, bt, nt)
+        start = self._dlen[:batch]
+        tokens = torch.cat([self._danchor[:batch, None], block.tokens], dim=1).reshape(-1)
+        inputs = {
+            "tokens": F.pad(tokens, (0, nt - n)),
+            "slot": slot,
+            "pos": F.pad(start.repeat_interleave(q) + within, (0, nt - n)),
+            "qidx": qidx,
+            "past": F.pad(start, (0, bt - batch)),
+            "q": torch.empty(q, device=self.device),
+            "span": torch.empty(self._span(end), device=self.device),
+        }
+        key = (q, bt, nt, self._span(end), False)
+        logits, argmax = self._run(bank, key, self._verify_fn, inputs)
+        self.target.tokens_processed += n
+        argmax = argmax[:n].view(batch, q)
+        survival = survival_of(block.confidence)
+        keep, bonus = accept_on_device(block.tokens, argmax, survival, floor)
+        self._dlen[:batch] += keep + 1
+        self._danchor[:batch] = bonus
+        self._ahead_by[:batch] += 1
+        summary = block_summary(
+            block.tokens, block.confidence, block.logprobs, survival, argmax, keep
+        )
+        copy = ready = None
+        if self.asynchronous:  # started now; fetch() waits for this step only
+            copy = torch.empty(summary.shape, dtype=summary.dtype, pin_memory=True)
+            copy.copy_(summary, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        return BlockVerified(logits[:n].view(batch, q, -1), summary, gamma, copy, ready)
+
+    def _block_layout(self, batch: int, q: int, bt: int, nt: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The length-independent index arrays of a whole-block pack (:meth:`Pack.layout` for
+        ``q`` tokens in each of slots ``0..batch-1``, padded to ``(bt, nt)``), on the device."""
+        key = (batch, q, bt, nt)
+        if key not in self._layouts:
+            pack = Pack.layout(
+                range(batch), np.full(batch, q, dtype=np.int64), np.zeros(batch, dtype=np.int64),
+                q=q, batch=bt, rows=nt, trash=self.pool.trash,
+            )  # fmt: skip
+            within = np.tile(np.arange(q, dtype=np.int64), batch)
+            self._layouts[key] = (
+                self._device(pack.slot),
+                self._device(pack.qidx),
+                self._device(within),
+            )
+        return self._layouts[key]
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> Tensor:
         """Run prompts into empty slots together: float logits [k, V] of each prompt's last
@@ -351,8 +467,10 @@ class BatchedRuntime:
         for at in range(0, longest, chunk):
             live = [i for i, p in enumerate(prompts) if len(p) > at]
             out = self.forward(
-                [slots[i] for i in live], [list(prompts[i][at : at + chunk]) for i in live],
-                q=min(chunk, longest), gather=True,
+                [slots[i] for i in live],
+                [list(prompts[i][at : at + chunk]) for i in live],
+                q=min(chunk, longest),
+                gather=True,
             )
             ends = np.cumsum(out.pack.counts) - 1
             for j, i in enumerate(live):
@@ -380,11 +498,11 @@ class BatchedRuntime:
         t[:batch] = temps
         st = np.ones((bt, self.gamma), dtype=np.float32)
         st[:batch] = self._sts(temps) if sts is None else sts
-        committed = self.pool.lengths[:bt].copy()
-        span = self._span(int(committed.max()) + self.drafter.cfg.gamma_max)
+        self._flush()
+        span = self._span(self._longest(batch) + self.drafter.cfg.gamma_max)
         inputs = {
-            "anchors": self._device(self._anchors[:bt].copy()),
-            "committed": self._device(committed),
+            "anchors": self._danchor[:bt],
+            "committed": self._dlen[:bt],
             "sts": self._device(st),
             "span": torch.empty(span, device=self.device),
         }
@@ -396,12 +514,20 @@ class BatchedRuntime:
             idx = torch.tensor(sampled, device=self.device)
             gens = [generators[i] if generators else None for i in sampled]
             sub = self.drafter.chain(
-                h[idx], base[idx], inputs["anchors"][idx], self._device(t[sampled]), gens,
-                sts=inputs["sts"][idx], all_greedy=False,
+                h[idx],
+                base[idx],
+                inputs["anchors"][idx],
+                self._device(t[sampled]),
+                gens,
+                sts=inputs["sts"][idx],
+                all_greedy=False,
             )
             tokens, lps, z, conf = (x.clone() for x in (tokens, lps, z, conf))
             tokens[idx], lps[idx], z[idx], conf[idx] = (
-                sub.tokens, sub.logprobs, sub.conf_logits, sub.confidence
+                sub.tokens,
+                sub.logprobs,
+                sub.conf_logits,
+                sub.confidence,
             )
             probs = base.new_zeros(batch, self.gamma, sub.probs.shape[-1])  # whole vocabulary
             probs[idx] = sub.probs
@@ -471,9 +597,7 @@ class BatchedRuntime:
         return self.capture_seconds + sum(b.capture_seconds for b in self._banks.values())
 
 
-_CACHE: weakref.WeakKeyDictionary[Target, dict[tuple, BatchedRuntime]] = (
-    weakref.WeakKeyDictionary()
-)
+_CACHE: weakref.WeakKeyDictionary[Target, dict[tuple, BatchedRuntime]] = weakref.WeakKeyDictionary()
 
 
 _CACHE_LOCK = threading.Lock()
@@ -499,8 +623,15 @@ def shared_runtime(
     caller's last runtime) comes back first when it is free and fits the same settings."""
     vocab = drafter.draft_vocab if drafter is not None else None  # draft graphs bake it in
     vocab_key = (vocab.data_ptr(), vocab.numel()) if vocab is not None and vocab.numel() else None
-    key = (id(drafter), gamma, bool(cuda_graphs), bool(compiled), tuple(token_tiers),
-           tuple(batch_tiers), vocab_key)
+    key = (
+        id(drafter),
+        gamma,
+        bool(cuda_graphs),
+        bool(compiled),
+        tuple(token_tiers),
+        tuple(batch_tiers),
+        vocab_key,
+    )
     with _CACHE_LOCK:
         per_target = _CACHE.setdefault(target, {})
         rt = per_target.get(key)
@@ -512,8 +643,14 @@ def shared_runtime(
             rt = None
     if rt is None:
         rt = BatchedRuntime(
-            target, drafter, max_batch=max_batch, max_len=max_len, gamma=gamma,
-            cuda_graphs=cuda_graphs, compiled=compiled, token_tiers=token_tiers,
+            target,
+            drafter,
+            max_batch=max_batch,
+            max_len=max_len,
+            gamma=gamma,
+            cuda_graphs=cuda_graphs,
+            compiled=compiled,
+            token_tiers=token_tiers,
             batch_tiers=batch_tiers,
         )
         rt.busy = True

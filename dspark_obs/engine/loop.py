@@ -258,6 +258,11 @@ class Engine:
         def settle() -> None:
             run_pending(pending)
 
+        def retire(done: list[Live]) -> None:  # finished in a step: free their slots
+            for live in sorted(done, key=lambda d: -d.slot):  # highest slot first
+                running.remove(live)
+                self._release(live, running)
+
         def drop(req: GenRequest) -> None:  # a waiting request aborted before admission
             out.requests.append(waiting_row(req, self.cfg, run_id))
             result.outputs[req.rid] = []
@@ -312,10 +317,7 @@ class Engine:
                 if not running:  # idle until the next arrival
                     fct = max(fct + 1, waiting[0].arrival_step) if waiting else fct + 1
                     continue
-                done = pipeline.step(running, fct, result, pending, finish, out.builder.add)
-                for live in sorted(done, key=lambda d: -d.slot):  # highest slot first
-                    running.remove(live)
-                    self._release(live, running)
+                pipeline.step(running, fct, result, pending, finish, out.builder.add, retire)
                 if not cfg.overlap:
                     settle()
                 result.steps += 1

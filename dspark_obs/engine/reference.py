@@ -17,7 +17,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dspark_obs.engine.block_verify import BlockVerified, block_summary
+from dspark_obs.engine.block_verify import (
+    BlockVerified,
+    accept_on_device,
+    block_summary,
+    survival_of,
+)
 from dspark_obs.engine.drafter import DraftBlock, Drafter
 from dspark_obs.engine.drafter_cache import DrafterCache
 from dspark_obs.engine.model import KVCache, Target
@@ -60,6 +65,10 @@ class ReferenceRuntime:
         self._slots: list[_Slot | None] = []
         self.used = 0
 
+    def can_launch_ahead(self, batch: int) -> bool:
+        """Never: each step's caches are the host's (see BatchedRuntime.can_launch_ahead)."""
+        return False
+
     @property
     def asynchronous(self) -> bool:
         return False
@@ -99,7 +108,7 @@ class ReferenceRuntime:
     def set_anchor(self, slot: int, token: int) -> None:
         self._slot(slot).anchor = int(token)
 
-    def commit(self, slot: int, length: int, anchor: int) -> None:
+    def commit(self, slot: int, length: int, anchor: int, *, on_device: bool = False) -> None:
         s = self._slot(slot)
         if s.pending:
             s.fresh.append(torch.cat(s.pending)[: length - s.committed])
@@ -156,14 +165,17 @@ class ReferenceRuntime:
         argmax = [row.argmax(-1).cpu().numpy() for row in out.logits]
         return ReferenceVerified(list(out.logits), argmax)
 
-    def verify_block(self, block: DraftBlock) -> BlockVerified:
-        """Verify the anchor and every draft of slots ``0..B-1`` (one :meth:`forward`)."""
+    def verify_block(self, block: DraftBlock, floor: float | None = None) -> BlockVerified:
+        """Verify the anchor and every draft of slots ``0..B-1`` (one :meth:`forward`); the
+        acceptance it reports (``keep``) is the batched runtime's rule, but the caches move
+        only when the host commits (this runtime never launches a step ahead)."""
         batch, gamma = block.tokens.shape
         drafts = block.tokens.tolist()
         rows = [[self._slot(i).anchor, *drafts[i]] for i in range(batch)]
         out = self.forward(range(batch), rows)
         argmax = torch.from_numpy(np.stack(out.argmax))
-        summary = block_summary(
-            block.tokens.cpu(), block.confidence.cpu(), block.logprobs.cpu(), argmax
-        )
+        tokens, conf = block.tokens.cpu(), block.confidence.cpu()
+        survival = survival_of(conf)
+        keep, _ = accept_on_device(tokens, argmax, survival, floor)
+        summary = block_summary(tokens, conf, block.logprobs.cpu(), survival, argmax, keep)
         return BlockVerified(out.logits, summary, gamma)

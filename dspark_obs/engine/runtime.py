@@ -17,7 +17,9 @@ The shared contract:
   committed, nothing else;
 * :meth:`Runtime.draft` drafts one block for slots ``0..B-1`` from their anchors;
   :meth:`Runtime.verify_block` verifies all of it (anchor + every draft) without the host
-  reading the drafts first.
+  reading the drafts first, and accepts greedily; a runtime that can launch ahead applies
+  that acceptance to its own device-side lengths and anchors, so the next step can launch
+  before the host has read this one (the host then commits it with ``on_device=True``).
 """
 
 from __future__ import annotations
@@ -84,8 +86,15 @@ class Runtime(Protocol):
         """The token ``slot`` drafts from next (the first one after its prefill)."""
         ...
 
-    def commit(self, slot: int, length: int, anchor: int) -> None:
-        """Keep ``slot``'s first ``length`` positions and draft from ``anchor`` next."""
+    def can_launch_ahead(self, batch: int) -> bool:
+        """Whether a whole-block step of slots ``0..batch-1`` can launch before the host read
+        the step before it (drafts and whole-block verifies then start from the device's own
+        lengths and anchors, which :meth:`verify_block` advances)."""
+        ...
+
+    def commit(self, slot: int, length: int, anchor: int, *, on_device: bool = False) -> None:
+        """Keep ``slot``'s first ``length`` positions and draft from ``anchor`` next
+        (``on_device``: what :meth:`verify_block` already committed on the device)."""
         ...
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> Tensor:
@@ -104,9 +113,11 @@ class Runtime(Protocol):
         """Run ``tokens[i]`` at the end of slot ``slots[i]`` (one packed forward)."""
         ...
 
-    def verify_block(self, block: DraftBlock) -> BlockVerified:
+    def verify_block(self, block: DraftBlock, floor: float | None = None) -> BlockVerified:
         """Verify the anchor and all drafts of slots ``0..B-1`` (B = the block's rows), the
-        drafts staying on the device; ``fetch()`` on the result is the one read-back."""
+        drafts staying on the device, and accept greedily within the windows a full budget
+        gives (drafts whose survival is below ``floor`` are not accepted; None: all may be);
+        ``fetch()`` on the result is the one read-back."""
         ...
 
 

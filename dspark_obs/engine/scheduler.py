@@ -171,16 +171,18 @@ class ConfidenceRelay:
         self._hist.clear()
         self._gamma = None
 
-    def peek(self, rids: Sequence[Hashable], gamma: int) -> np.ndarray | None:
-        """What :meth:`step` will return for this batch, before its current survival is known
-        (None with ``lag`` 0: then it is the current survival itself)."""
-        if self._lag == 0:
+    def peek(self, rids: Sequence[Hashable], gamma: int, pending: int = 0) -> np.ndarray | None:
+        """What :meth:`step` will return for this batch, before its current survival is known,
+        with ``pending`` earlier steps (of the same requests) not recorded yet (None when that
+        needs a survival nobody has: ``lag`` <= ``pending``)."""
+        if self._lag <= pending:
             return None
+        back = self._lag - pending
         out = np.ones((len(rids), gamma), dtype=np.float64)
         for i, rid in enumerate(rids):
             h = self._hist.get(rid)
-            if h is not None and len(h) >= self._lag:
-                out[i] = h[len(h) - self._lag]
+            if h is not None and len(h) >= back:
+                out[i] = h[len(h) - back]
         return out
 
     def step(self, rids: Sequence[Hashable], survival_now: np.ndarray) -> np.ndarray:
@@ -239,32 +241,51 @@ class Scheduler:
         self.relay = ConfidenceRelay(lag)
         self.forced_budget_frac: float | None = None
         self.last_decision: BudgetDecision | None = None
-        self._ahead: tuple[list[Hashable], BudgetDecision] | None = None  # from budget_ahead
 
     def reset(self) -> None:
         """Forget every request's history (a new run starts)."""
         self.relay.reset()
-        self._ahead = None
 
-    def budget_ahead(self, rids: Sequence[Hashable]) -> int | None:
+    @property
+    def survival_floor(self) -> float | None:
+        """The survival below which a full budget still leaves a draft unverified (the
+        ``survival_eps`` floor), or None when a full budget verifies every draft (no table:
+        :meth:`plan` then skips the allocation)."""
+        if self.forced_budget_frac is None and (self.table is None or self.table.uninitialized):
+            return None
+        return self.survival_eps
+
+    def decide_ahead(self, rids: Sequence[Hashable], pending: int = 0) -> BudgetDecision | None:
         """The budget :meth:`plan` will pick for this batch, known before the step drafts (the
-        budget reads lagged survival only); None when it needs the current survival (lag 0).
-        A full budget lets the step verify every block without waiting for the drafts."""
+        budget reads lagged survival only), with ``pending`` earlier steps still to be planned;
+        None when it needs a survival not known yet (``lag`` <= ``pending``). Hand it to
+        :meth:`plan` as ``decision``. A full budget lets a step verify every block without
+        waiting for the drafts."""
         bs = len(rids)
-        self._ahead = None
-        if self.forced_budget_frac is not None:
-            return max(0, int(float(self.forced_budget_frac) * bs * self.gamma))
+        frac = self.forced_budget_frac
+        if frac is not None:
+            return BudgetDecision(budget=max(0, int(float(frac) * bs * self.gamma)))
         if self.table is None or self.table.uninitialized:
-            return bs * self.gamma
-        lagged = self.relay.peek(rids, self.gamma)
+            return BudgetDecision(budget=bs * self.gamma)
+        lagged = self.relay.peek(rids, self.gamma, pending)
         if lagged is None:
             return None
-        decision = sps_decision(lagged, self.table, survival_eps=self.survival_eps)
-        self._ahead = (list(rids), decision)  # plan() reuses it: the same lagged rows
-        return decision.budget
+        return sps_decision(lagged, self.table, survival_eps=self.survival_eps)
 
-    def plan(self, rids: Sequence[Hashable], survival_now: np.ndarray) -> tuple[int, np.ndarray]:
-        """``(budget, verify_lens)`` for this step; also sets :attr:`last_decision`."""
+    def budget_ahead(self, rids: Sequence[Hashable], pending: int = 0) -> int | None:
+        """:meth:`decide_ahead`'s budget."""
+        decision = self.decide_ahead(rids, pending)
+        return None if decision is None else decision.budget
+
+    def plan(
+        self,
+        rids: Sequence[Hashable],
+        survival_now: np.ndarray,
+        decision: BudgetDecision | None = None,
+    ) -> tuple[int, np.ndarray]:
+        """``(budget, verify_lens)`` for this step; also sets :attr:`last_decision`.
+        ``decision``: the budget :meth:`decide_ahead` gave before the step drafted (the step
+        launched with it, possibly for more requests than are left now)."""
         arr = _as_survival(survival_now, "survival_now")
         bs, gamma = arr.shape
         if gamma != self.gamma:
@@ -282,10 +303,8 @@ class Scheduler:
             self.last_decision = None
             return bs * gamma, np.full(bs, gamma + 1, dtype=np.int64)
         lagged = self.relay.step(rids, arr)
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[0] == list(rids):
-            decision = ahead[1]
-        else:
+        if decision is None:
             decision = sps_decision(lagged, self.table, survival_eps=self.survival_eps)
         self.last_decision = decision
-        return decision.budget, allocate(arr, decision.budget, survival_eps=self.survival_eps)
+        budget = min(decision.budget, bs * gamma)  # requests that left since it was decided
+        return budget, allocate(arr, budget, survival_eps=self.survival_eps)

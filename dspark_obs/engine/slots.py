@@ -95,13 +95,14 @@ class SlotPool:
             )
         self.lengths = np.zeros(slots + 1, dtype=np.int64)
 
-    def move(self, src: int, dst: int) -> None:
-        """Slot ``dst`` takes slot ``src``'s caches (to keep running slots dense)."""
-        n = int(self.lengths[src])
+    def move(self, src: int, dst: int, extra: int = 0) -> None:
+        """Slot ``dst`` takes slot ``src``'s caches (to keep running slots dense), with
+        ``extra`` positions past its committed length (a verify the host has not committed)."""
+        n = min(int(self.lengths[src]) + extra, self.max_len)
         self.kv[:, :, dst, :, :n] = self.kv[:, :, src, :, :n]
         if self.dkv is not None:
             self.dkv[:, :, dst, :, :n] = self.dkv[:, :, src, :, :n]
-        self.lengths[dst] = n
+        self.lengths[dst] = self.lengths[src]
         self.lengths[src] = 0
 
 

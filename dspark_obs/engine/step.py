@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -36,12 +37,13 @@ from dspark_obs.engine.acceptance import (
     process_logits,
     process_logprobs,
 )
+from dspark_obs.engine.block_verify import BlockVerified
 from dspark_obs.engine.censored import ESTIMATOR_MIN_TEMPERATURE
 from dspark_obs.engine.drafter import DraftBlock
 from dspark_obs.engine.live import Live, Outcome, mask_stops, sglang_adjusts_logits
 from dspark_obs.engine.model import Target
 from dspark_obs.engine.runtime import Runtime
-from dspark_obs.engine.scheduler import Scheduler
+from dspark_obs.engine.scheduler import BudgetDecision, Scheduler
 from dspark_obs.engine.step_records import StepArrays
 from dspark_obs.engine.step_rows import Censors, StepResult, StepStats
 from dspark_obs.engine.types import EngineConfig, OnTokens, RunResult
@@ -50,6 +52,7 @@ __all__ = ["StepPipeline", "opens_censored", "run_pending"]
 
 Finish = Callable[[Live, str], None]
 AddStep = Callable[[StepArrays], None]
+Retire = Callable[[list[Live]], None]
 
 
 def opens_censored(
@@ -74,6 +77,22 @@ def run_pending(pending: list[Callable[[], None]]) -> None:
         pending.pop(0)()
 
 
+@dataclass
+class _Launched:
+    """A whole-block step launched and not read yet (row i = ``running[i]`` at launch)."""
+
+    running: list[Live]
+    block: DraftBlock
+    verified: BlockVerified
+    fct: int
+    decision: BudgetDecision | None
+    lengths_before: list[int] | None  # None: launched ahead, read when the step is read
+    events: list[Any]
+    host_ms: float  # host time the launch took
+    draft_s: float
+    verify_s: float
+
+
 class StepPipeline:
     """The decode step of one run on one runtime (made by the engine at each run's start)."""
 
@@ -94,6 +113,7 @@ class StepPipeline:
         self.rt = runtime
         self.on_tokens = on_tokens
         self._records_read_logits = False  # the last step's records read its target rows
+        self._inflight: _Launched | None = None  # launched ahead, read at the next step
 
     def step(
         self,
@@ -103,44 +123,169 @@ class StepPipeline:
         pending: list[Callable[[], None]],
         finish: Finish,
         add: AddStep,
+        retire: Retire,
+    ) -> None:
+        """One decode step: draft, plan, verify, accept, commit. Requests that finish go to
+        ``retire`` (which takes them out of ``running`` and frees their slots); their records
+        (and the step's arrays, handed to ``add``) are queued on ``pending``, which the next
+        step runs while the device works (``overlap``) or the caller runs now.
+
+        A whole-block step on a runtime that can launch ahead is read one call later: the
+        call launches step ``fct`` from the device's lengths and anchors first, then reads
+        the step launched before (its requests that finished meanwhile are skipped, their
+        rows wasted), so the host's per-request work overlaps the device's next step."""
+        cfg = self.cfg
+        inflight, self._inflight = self._inflight, None
+        ahead = cfg.launch_ahead and self.rt.can_launch_ahead(len(running))
+        if inflight is not None:
+            whole, decision = self._whole_block(running, pending=1)
+            if whole and ahead:
+                if self._records_read_logits:
+                    run_pending(pending)  # they read the buffer this launch overwrites
+                if cfg.mode != "static":  # its records may read its rows (censored blocks)
+                    inflight.verified.keep_logits()
+                self._inflight = self._launch(running, fct, decision, pending, ahead=True)
+                if cfg.overlap:
+                    run_pending(pending)
+                retire(self._read(inflight, running, result, pending, finish, add))
+                self._records_read_logits = False  # its rows were copied, or are not read
+                return
+            retire(self._read(inflight, running, result, pending, finish, add))
+            if not running:
+                return
+        whole, decision = self._whole_block(running, pending=0)
+        if not whole:
+            retire(self._split_step(running, fct, result, pending, finish, add))
+            return
+        launched = self._launch(running, fct, decision, pending, ahead=False)
+        if cfg.overlap:
+            run_pending(pending)  # while the device drafts and verifies
+        if ahead:
+            self._inflight = launched  # read at the next step, after it launched its own
+            return
+        retire(self._read(launched, running, result, pending, finish, add))
+
+    def _launch(
+        self,
+        running: list[Live],
+        fct: int,
+        decision: BudgetDecision | None,
+        pending: list[Callable[[], None]],
+        *,
+        ahead: bool,
+    ) -> _Launched:
+        """Draft and verify every block back to back (nothing on the host waits between
+        them); ``ahead``: an earlier step is still unread, so the lengths are read later."""
+        t0 = time.perf_counter()
+        events = self._events()
+        if events:
+            events[0].record()
+        lengths_before = None if ahead else [self.rt.length(r.slot) for r in running]
+        block = self._draft(running)
+        if events:
+            events[1].record()
+        if self.cfg.overlap and self._records_read_logits:
+            run_pending(pending)  # the previous step's records, while the device drafts
+        t_draft = time.perf_counter()
+        if events:
+            events[2].record()
+        floor = None if self.cfg.mode == "static" else self.scheduler.survival_floor
+        verified = self.rt.verify_block(block, floor)
+        if events:
+            events[3].record()
+        t_end = time.perf_counter()
+        return _Launched(
+            running=list(running), block=block, verified=verified, fct=fct, decision=decision,
+            lengths_before=lengths_before, events=events, host_ms=(t_end - t0) * 1000.0,
+            draft_s=t_draft - t0, verify_s=t_end - t_draft,
+        )  # fmt: skip
+
+    def _read(
+        self,
+        launched: _Launched,
+        running: list[Live],
+        result: RunResult,
+        pending: list[Callable[[], None]],
+        finish: Finish,
+        add: AddStep,
     ) -> list[Live]:
-        """One decode step: draft, plan, verify, accept, commit. Returns the requests that
-        finished; their records (and the step's arrays, handed to ``add``) are queued on
-        ``pending``, which the next step runs while the device drafts (``overlap``) or the
-        caller runs now."""
+        """Read a whole-block step back (its one device-to-host copy), plan its windows, check
+        the device's acceptance, commit; returns the requests that finished."""
+        cfg, gamma = self.cfg, self.cfg.gamma
+        t0 = time.perf_counter()
+        host = launched.verified.fetch()
+        still = {id(live) for live in running}
+        index = np.array(
+            [i for i, live in enumerate(launched.running) if id(live) in still], dtype=np.int64
+        )
+        if not len(index):
+            return []  # everyone finished while it ran
+        lives = [launched.running[i] for i in index]
+        if len(index) < len(launched.running):
+            host = host.rows(index)
+        bs = len(lives)
+        if cfg.mode == "static":
+            budget, verify_lens = bs * gamma, np.full(bs, gamma + 1, dtype=np.int64)
+            decision = None
+        else:
+            rids = [r.req.rid for r in lives]
+            budget, verify_lens = self.scheduler.plan(rids, host.survival, launched.decision)
+            decision = self.scheduler.last_decision
+            if budget < bs * gamma:
+                raise RuntimeError(f"budget {budget} is less than the full one planned ahead")
+        send = verify_lens if cfg.mode == "compact" else np.full(bs, gamma + 1, dtype=np.int64)
+        window = verify_lens if cfg.mode == "cap-accept" else None
+        vocab = self.target.cfg.vocab_size
+        accepted = greedy_accept_batch(host.argmax, host.drafts, send, vocab, windows=window)
+        if [a.correct_drafts for a in accepted] != host.keep.tolist():
+            raise RuntimeError("the device's acceptance differs from the host's greedy rule")
+        if launched.lengths_before is None:
+            lengths_before = [self.rt.length(live.slot) for live in lives]
+        else:
+            lengths_before = [launched.lengths_before[i] for i in index]
+        logits = launched.verified.rows(send, index)
+        done, outcomes = self._accept_and_commit(
+            lives, launched.block, host.drafts, verify_lens, send, logits, [], lengths_before,
+            result, accepted, on_device=True,
+        )  # fmt: skip
+        step_ms = launched.host_ms + (time.perf_counter() - t0) * 1000.0
+        self._hand_over(
+            lives, launched.fct, budget, decision, verify_lens, send, lengths_before,
+            host.drafts, host.confidence, host.survival, torch.from_numpy(host.logprobs),
+            logits, outcomes, step_ms, launched.events, launched.draft_s, launched.verify_s,
+            pending, finish, add,
+        )  # fmt: skip
+        return done
+
+    def _split_step(
+        self,
+        running: list[Live],
+        fct: int,
+        result: RunResult,
+        pending: list[Callable[[], None]],
+        finish: Finish,
+        add: AddStep,
+    ) -> list[Live]:
+        """A step that reads the drafts before it verifies: the plan needs the current
+        survival, or rows are sampled, penalized or masked. Returns the finished requests."""
         cfg, gamma = self.cfg, self.cfg.gamma
         t0 = time.perf_counter()
         events = self._events()
         if events:
             events[0].record()
         bs = len(running)
-        whole = self._verifies_whole_blocks(running)
         lengths_before = [self.rt.length(r.slot) for r in running]
         block = self._draft(running)
         if events:
             events[1].record()
-        if cfg.overlap and (not whole or self._records_read_logits):
+        if cfg.overlap:
             run_pending(pending)  # the previous step's records, while the device drafts
-        verified = None
-        if whole:  # launched now: nothing on the host waits between draft and verify
-            if events:
-                events[2].record()
-            verified = self.rt.verify_block(block)
-            if events:
-                events[3].record()
-            if cfg.overlap:
-                run_pending(pending)  # the logits they read are not this verify's buffer
-            host = verified.fetch()  # the step's one device-to-host copy
-            conf, dt_np = host.confidence, host.drafts
-            draft_lp = torch.from_numpy(host.logprobs)
-        else:
-            conf = block.confidence.float().cpu().numpy()
-            draft_tokens = block.tokens.cpu()
-            dt_np = draft_tokens.numpy()
-            draft_lp = block.logprobs.float().cpu()
+        conf = block.confidence.float().cpu().numpy()
+        draft_tokens = block.tokens.cpu()
+        dt_np = draft_tokens.numpy()
+        draft_lp = block.logprobs.float().cpu()
         survival = np.cumprod(conf, axis=1)
         t_draft = time.perf_counter()
-
         if cfg.mode == "static":
             budget, verify_lens = bs * gamma, np.full(bs, gamma + 1, dtype=np.int64)
             decision = None
@@ -148,25 +293,14 @@ class StepPipeline:
             budget, verify_lens = self.scheduler.plan([r.req.rid for r in running], survival)
             decision = self.scheduler.last_decision
         send = verify_lens if cfg.mode == "compact" else np.full(bs, gamma + 1, dtype=np.int64)
-        accepted = None
-        if verified is not None:
-            if budget != bs * gamma:
-                raise RuntimeError(f"budget {budget} differs from the full one planned ahead")
-            all_logits: Sequence[torch.Tensor] = verified.rows(send)
-            window = verify_lens if cfg.mode == "cap-accept" else None
-            accepted = greedy_accept_batch(
-                host.argmax, dt_np, send, self.target.cfg.vocab_size, windows=window
-            )
-            preds: list[np.ndarray] = []
-        else:
-            if events:
-                events[2].record()
-            all_logits, preds = self._verify(running, draft_tokens, verify_lens, send)
-            if events:
-                events[3].record()
+        if events:
+            events[2].record()
+        all_logits, preds = self._verify(running, draft_tokens, verify_lens, send)
+        if events:
+            events[3].record()
         t_verify = time.perf_counter()
-        for i, live in enumerate(running if verified is None else ()):
-            # penalties, then min_new_tokens' stop mask (a whole-block step has neither)
+        for i, live in enumerate(running):
+            # penalties, then min_new_tokens' stop mask
             k = live.masked_rows(int(send[i]))
             if live.counts is not None:
                 all_logits[i] = live.req.penalties.apply(all_logits[i], live.counts, dt_np[i])
@@ -174,16 +308,53 @@ class StepPipeline:
                 all_logits[i] = mask_stops(all_logits[i], k, live.stops)
             if k or live.counts is not None:
                 preds[i] = all_logits[i].argmax(-1).cpu().numpy()
-
         done, outcomes = self._accept_and_commit(
-            running, block, dt_np, verify_lens, send, all_logits, preds, lengths_before, result,
-            accepted,
+            running,
+            block,
+            dt_np,
+            verify_lens,
+            send,
+            all_logits,
+            preds,
+            lengths_before,
+            result,
         )
-        t_end = time.perf_counter()
+        step_ms = (time.perf_counter() - t0) * 1000.0
+        self._hand_over(
+            running, fct, budget, decision, verify_lens, send, lengths_before, dt_np, conf,
+            survival, draft_lp, all_logits, outcomes, step_ms, events, t_draft - t0,
+            t_verify - t_draft, pending, finish, add,
+        )  # fmt: skip
+        return done
+
+    def _hand_over(
+        self,
+        running: list[Live],
+        fct: int,
+        budget: int,
+        decision: BudgetDecision | None,
+        verify_lens: np.ndarray,
+        send: np.ndarray,
+        lengths_before: list[int],
+        drafts: np.ndarray,
+        conf: np.ndarray,
+        survival: np.ndarray,
+        draft_lp: torch.Tensor,
+        logits: Sequence[torch.Tensor],
+        outcomes: list[Outcome],
+        step_ms: float,
+        events: list[Any],
+        draft_s: float,
+        verify_s: float,
+        pending: list[Callable[[], None]],
+        finish: Finish,
+        add: AddStep,
+    ) -> None:
+        """The step's statistics and its record work (queued on ``pending``)."""
+        cfg, gamma, bs = self.cfg, self.cfg.gamma, len(running)
         self._records_read_logits = bool((verify_lens <= gamma).any()) or any(
             live.censored for live in running
         )
-
         pred_ms = theta = None
         if decision is not None:
             if decision.predicted_step_seconds is not None:
@@ -193,16 +364,16 @@ class StepPipeline:
             pred_ms = cfg.cost_table.step_seconds(bs, int(budget)) * 1000.0
         stats = StepStats(
             forward_ct=fct, bs=bs, budget=int(budget), num_verify_tokens=int(send.sum()),
-            predicted_step_ms=pred_ms, predicted_theta=theta,
-            step_cpu_ms=(t_end - t0) * 1000.0, ts=datetime.now(UTC),
+            predicted_step_ms=pred_ms, predicted_theta=theta, step_cpu_ms=step_ms,
+            ts=datetime.now(UTC),
         )  # fmt: skip
         if not events and self._timed_device:  # a synchronous runtime on a GPU
-            stats.draft_gpu_ms = (t_draft - t0) * 1000.0
-            stats.target_verify_gpu_ms = (t_verify - t_draft) * 1000.0
+            stats.draft_gpu_ms = draft_s * 1000.0
+            stats.target_verify_gpu_ms = verify_s * 1000.0
         done_step = StepResult(  # a copy of running: the caller removes finished requests
             stats=stats, running=list(running), outcomes=outcomes, verify_lens=verify_lens,
-            lengths_before=lengths_before, drafts=dt_np, confidence=conf, survival=survival,
-            draft_logprobs=draft_lp, logits=all_logits, adjusted=sglang_adjusts_logits(running),
+            lengths_before=lengths_before, drafts=drafts, confidence=conf, survival=survival,
+            draft_logprobs=draft_lp, logits=logits, adjusted=sglang_adjusts_logits(running),
         )  # fmt: skip
 
         def records() -> None:
@@ -215,7 +386,6 @@ class StepPipeline:
                     finish(live, reason)
 
         pending.append(records)
-        return done
 
     def _accept_and_commit(
         self,
@@ -229,6 +399,8 @@ class StepPipeline:
         lengths_before: list[int],
         result: RunResult,
         accepted: list[AcceptResult] | None = None,
+        *,
+        on_device: bool = False,
     ) -> tuple[list[Live], list[Outcome]]:
         """Acceptance per request (``accepted``: already decided for the whole batch), the
         stop / length cut, the commit into the caches; returns the finished requests and
@@ -281,24 +453,27 @@ class StepPipeline:
             # Keep anchor + accepted drafts in the caches; the bonus becomes the next anchor.
             keep = res.correct_drafts + 1
             live.anchor = committed[-1]
-            self.rt.commit(live.slot, lengths_before[i] + keep, live.anchor)
+            self.rt.commit(live.slot, lengths_before[i] + keep, live.anchor, on_device=on_device)
         return done, outcomes
 
-    def _verifies_whole_blocks(self, running: list[Live]) -> bool:
-        """Whether this step verifies every request's whole block, decided before it drafts:
+    def _whole_block(self, running: list[Live], pending: int) -> tuple[bool, BudgetDecision | None]:
+        """Whether this step verifies every request's whole block, decided before it drafts
+        (``pending``: earlier steps not read yet), and the budget decision it launches with:
         every row greedy, with no penalty and no ``min_new_tokens`` mask (those rewrite the
         target rows on the host), and a budget (from lagged survival) covering every draft.
         Such a step runs draft and verify back to back (:meth:`Runtime.verify_block`)."""
         cfg, q = self.cfg, self.cfg.gamma + 1
         if not cfg.whole_block_verify:
-            return False
-        for live in running:
+            return False, None
+        for live in running:  # a row's output only grows: a stale mask count is an upper bound
             if not live.greedy or live.counts is not None or live.masked_rows(q):
-                return False
+                return False, None
         if cfg.mode == "static":
-            return True
-        budget = self.scheduler.budget_ahead([r.req.rid for r in running])
-        return budget == len(running) * cfg.gamma
+            return True, None
+        decision = self.scheduler.decide_ahead([r.req.rid for r in running], pending)
+        if decision is None or decision.budget != len(running) * cfg.gamma:
+            return False, None
+        return True, decision
 
     def _draft(self, running: list[Live]) -> DraftBlock:
         """One block per running request (batched: launched on the device, not waited for)."""
