@@ -123,7 +123,9 @@ class BatchedRuntime:
         self.key: tuple = ()  # shared_runtime's settings key
         self._anchors = np.zeros(1, dtype=np.int64)
         self._sts_rows: tuple[np.ndarray, np.ndarray] | None = None  # read at the first draft
-        self._layouts: dict[tuple[int, int, int, int], tuple[Tensor, Tensor, Tensor]] = {}
+        self._layouts: dict[tuple[int, int, int, int], tuple[Tensor, Tensor]] = {}
+        self._floors: dict[float, Tensor] = {}
+        self._sts_cache: dict[tuple, Tensor] = {}
         self.pool = self._new_pool(max_batch, max_len)
 
     def _new_pool(self, max_batch: int, max_len: int) -> SlotPool:
@@ -148,6 +150,7 @@ class BatchedRuntime:
         if self.graphs_on:
             self._banks = {
                 "verify": GraphBank(self._verify_fn, self.device),
+                "block": GraphBank(self._block_fn, self.device),
                 "draft": GraphBank(self._draft_fn, self.device),
             }
         return pool
@@ -190,17 +193,18 @@ class BatchedRuntime:
         when ``slot`` was the highest)."""
         last = self.used - 1
         self.used -= 1
+        # device state moves by slices (views + one copy kernel each: nothing waits)
         if slot == last:
             self.pool.lengths[slot] = 0
-            self._dlen[slot] = 0
+            self._dlen[slot : slot + 1].zero_()
             self._ahead_by[slot] = 0
             self._dirty.discard(slot)
             return None
         self.pool.move(last, slot, extra=int(self._ahead_by[last]) * (self.gamma + 1))
         self._anchors[slot] = self._anchors[last]
-        self._dlen[slot] = self._dlen[last]
-        self._danchor[slot] = self._danchor[last]
-        self._dlen[last] = 0
+        self._dlen[slot : slot + 1].copy_(self._dlen[last : last + 1])
+        self._danchor[slot : slot + 1].copy_(self._danchor[last : last + 1])
+        self._dlen[last : last + 1].zero_()
         self._ahead_by[slot], self._ahead_by[last] = self._ahead_by[last], 0
         self._dirty.discard(slot)
         if last in self._dirty:
@@ -239,6 +243,7 @@ class BatchedRuntime:
         self._ahead_by[:] = 0
         self._dirty = set(range(len(self._ahead_by)))
         self._sts_rows = None
+        self._sts_cache.clear()
 
     def can_launch_ahead(self, batch: int) -> bool:
         """Whether slots ``0..batch-1`` can take one more draft and whole-block verify before
@@ -281,6 +286,22 @@ class BatchedRuntime:
             )
         sample, greedy = self._sts_rows
         return np.stack([greedy if t <= 0 else sample for t in temps])
+
+    def _sts_upload(self, rows: np.ndarray, bt: int) -> Tensor:
+        st = np.ones((bt, self.gamma), dtype=np.float32)
+        st[: len(rows)] = rows
+        return self._device(st)
+
+    def _sts_rows_of(self, temps: Sequence[float], bt: int) -> Tensor:
+        """The drafter's own STS rows for these temperatures on the device, padded to ``bt``
+        rows (kept per greedy/sampled pattern: a steady batch uploads nothing)."""
+        key = (bt, tuple(t <= 0 for t in temps))
+        cached = self._sts_cache.get(key)
+        if cached is None:
+            if len(self._sts_cache) > 64:
+                self._sts_cache.clear()
+            cached = self._sts_cache[key] = self._sts_upload(self._sts(temps), bt)
+        return cached
 
     # -- step functions (graph-safe) ------------------------------------------------------
     def _verify_fn(
@@ -392,13 +413,13 @@ class BatchedRuntime:
 
     def verify_block(self, block: DraftBlock, floor: float | None = None) -> BlockVerified:
         """Verify the anchor and every draft of slots ``0..B-1`` (B = the block's rows) and
-        accept greedily, all on the device: the pack's layout comes from the device lengths,
-        its tokens from the device anchors and the drafts (see :mod:`~dspark_obs.engine.
-        block_verify`), and :func:`~dspark_obs.engine.block_verify.accept_on_device` (windows
-        cut at survival ``floor``) advances the device lengths and anchors, so the next draft
-        can launch before the host reads this one. The host commits each row with
-        ``commit(..., on_device=True)``. The same graphs as :meth:`forward` replay, so the
-        numbers are the same too."""
+        accept greedily, all on the device and under graphs in one replay (:meth:`_block_fn`):
+        the pack's positions come from the device lengths, its tokens from the device anchors
+        and the drafts (see :mod:`~dspark_obs.engine.block_verify`), and the acceptance
+        (windows cut at survival ``floor``) advances the device lengths and anchors, so the
+        next draft can launch before the host reads this one. The host commits each row with
+        ``commit(..., on_device=True)``. The target runs :meth:`_verify_fn`, as in
+        :meth:`forward`, so the numbers are the same too."""
         batch, gamma = block.tokens.shape
         q, n = gamma + 1, batch * gamma + batch
         self._flush()
@@ -406,30 +427,30 @@ class BatchedRuntime:
         if end > self.pool.max_len:
             raise RuntimeError(f"slot pool holds {self.pool.max_len} positions, step needs {end}")
         bt, nt, bank = self._tiers(batch, n)
-        slot, qidx, within = self._block_layout(batch, q, bt, nt)
-        start = self._dlen[:batch]
-        tokens = torch.cat([self._danchor[:batch, None], block.tokens], dim=1).reshape(-1)
+        slot, qidx = self._block_layout(batch, q, bt, nt)
+        span = self._span(end)
         inputs = {
-            "tokens": F.pad(tokens, (0, nt - n)),
+            "drafts": block.tokens,
+            "conf": block.confidence,
+            "logprobs": block.logprobs,
+            "start": self._dlen[:bt],
+            "anchors": self._danchor[:bt],
             "slot": slot,
-            "pos": F.pad(start.repeat_interleave(q) + within, (0, nt - n)),
             "qidx": qidx,
-            "past": F.pad(start, (0, bt - batch)),
-            "q": torch.empty(q, device=self.device),
-            "span": torch.empty(self._span(end), device=self.device),
+            "floor": self._floor(floor),
+            "q": torch.empty(q, device=self.device),  # shape carriers (graph key parts)
+            "span": torch.empty(span, device=self.device),
         }
-        key = (q, bt, nt, self._span(end), False)
-        logits, argmax = self._run(bank, key, self._verify_fn, inputs)
-        self.target.tokens_processed += n
-        argmax = argmax[:n].view(batch, q)
-        survival = survival_of(block.confidence)
-        keep, bonus = accept_on_device(block.tokens, argmax, survival, floor)
-        self._dlen[:batch] += keep + 1
-        self._danchor[:batch] = bonus
+        bank = "block" if bank == "verify" else bank
+        if bank == "block" and (q, bt, nt, span) not in self._banks[bank]:  # captured at bt rows
+            for name in ("drafts", "conf", "logprobs"):
+                inputs[name] = F.pad(inputs[name], (0, 0, 0, bt - batch))
+        logits, summary, new_len, bonus = self._run(bank, (q, bt, nt, span), self._block_fn, inputs)
+        self._dlen[:batch].copy_(new_len[:batch])
+        self._danchor[:batch].copy_(bonus[:batch])
         self._ahead_by[:batch] += 1
-        summary = block_summary(
-            block.tokens, block.confidence, block.logprobs, survival, argmax, keep
-        )
+        self.target.tokens_processed += n
+        summary = summary[:batch]
         copy = ready = None
         if self.asynchronous:  # started now; fetch() waits for this step only
             copy = torch.empty(summary.shape, dtype=summary.dtype, pin_memory=True)
@@ -438,21 +459,51 @@ class BatchedRuntime:
             ready.record()
         return BlockVerified(logits[:n].view(batch, q, -1), summary, gamma, copy, ready)
 
-    def _block_layout(self, batch: int, q: int, bt: int, nt: int) -> tuple[Tensor, Tensor, Tensor]:
-        """The length-independent index arrays of a whole-block pack (:meth:`Pack.layout` for
-        ``q`` tokens in each of slots ``0..batch-1``, padded to ``(bt, nt)``), on the device."""
+    def _block_fn(
+        self,
+        drafts: Tensor,
+        conf: Tensor,
+        logprobs: Tensor,
+        start: Tensor,
+        anchors: Tensor,
+        slot: Tensor,
+        qidx: Tensor,
+        floor: Tensor,
+        q: Tensor,
+        span: Tensor,
+    ) -> tuple[Tensor, ...]:
+        """A whole-block verify of the ``bt`` grid rows (graph-safe): the pack (row r is grid
+        cell r: slot r // q, position start + r % q; rows past the real ones are padding,
+        which ``slot`` sends to the scratch slot), the target forward, the greedy acceptance
+        and the host summary. Returns logits, summary, the new lengths and anchors."""
+        bt, nq, nt = start.shape[0], q.shape[0], slot.shape[0]
+        tokens = torch.cat([anchors[:, None], drafts], dim=1).reshape(-1)
+        pos = (start[:, None] + torch.arange(nq, device=start.device)).reshape(-1)
+        tokens, pos = _fit(tokens, nt), _fit(pos, nt)
+        logits, argmax = self._verify_fn(tokens, slot, pos, qidx, start, q, span)
+        pred = _fit(argmax, bt * nq).view(bt, nq)
+        survival = survival_of(conf)
+        keep, bonus = accept_on_device(drafts, pred, survival, floor)
+        summary = block_summary(drafts, conf, logprobs, survival, pred, keep)
+        return logits, summary, start + keep + 1, bonus
+
+    def _floor(self, floor: float | None) -> Tensor:
+        """The survival floor as a device scalar (-1: none, every survival clears it)."""
+        value = -1.0 if floor is None else float(floor)
+        if self._floors.get(value) is None:
+            self._floors[value] = torch.tensor([value], dtype=torch.float32, device=self.device)
+        return self._floors[value]
+
+    def _block_layout(self, batch: int, q: int, bt: int, nt: int) -> tuple[Tensor, Tensor]:
+        """The slot and grid-cell arrays of a whole-block pack (:meth:`Pack.layout` for ``q``
+        tokens in each of slots ``0..batch-1``, padded to ``(bt, nt)``), on the device."""
         key = (batch, q, bt, nt)
         if key not in self._layouts:
             pack = Pack.layout(
                 range(batch), np.full(batch, q, dtype=np.int64), np.zeros(batch, dtype=np.int64),
                 q=q, batch=bt, rows=nt, trash=self.pool.trash,
             )  # fmt: skip
-            within = np.tile(np.arange(q, dtype=np.int64), batch)
-            self._layouts[key] = (
-                self._device(pack.slot),
-                self._device(pack.qidx),
-                self._device(within),
-            )
+            self._layouts[key] = (self._device(pack.slot), self._device(pack.qidx))
         return self._layouts[key]
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> Tensor:
@@ -496,14 +547,12 @@ class BatchedRuntime:
         bt = bt if bt <= self.pool.slots else batch
         t = np.zeros(bt, dtype=np.float32)
         t[:batch] = temps
-        st = np.ones((bt, self.gamma), dtype=np.float32)
-        st[:batch] = self._sts(temps) if sts is None else sts
         self._flush()
         span = self._span(self._longest(batch) + self.drafter.cfg.gamma_max)
         inputs = {
             "anchors": self._danchor[:bt],
             "committed": self._dlen[:bt],
-            "sts": self._device(st),
+            "sts": self._sts_rows_of(temps, bt) if sts is None else self._sts_upload(sts, bt),
             "span": torch.empty(span, device=self.device),
         }
         out = self._run("draft", (bt, self.gamma, span), self._draft_fn, inputs)
@@ -544,6 +593,8 @@ class BatchedRuntime:
         for bt in (b for b in self.batch_tiers if b <= self.pool.slots):
             for nt in (t for t in self.token_tiers if low < t <= bt * q):
                 keys += [("verify", (q, bt, nt, span, False)) for span in spans]
+            for nt in sorted({tier_of(b * q, self.token_tiers) for b in range(low + 1, bt + 1)}):
+                keys += [("block", (q, bt, nt, span)) for span in spans]
             if self.drafter is not None:
                 keys += [("draft", (bt, self.gamma, span)) for span in spans]
             low = bt
@@ -574,6 +625,20 @@ class BatchedRuntime:
                 "anchors": torch.zeros(bt, dtype=torch.long, device=dev),
                 "committed": torch.zeros(bt, dtype=torch.long, device=dev),
                 "sts": torch.ones(bt, gamma, device=dev),
+                "span": torch.empty(span, device=dev),
+            }
+        if bank == "block":
+            q, bt, nt, span = key
+            return {
+                "drafts": torch.zeros(bt, q - 1, dtype=torch.long, device=dev),
+                "conf": torch.ones(bt, q - 1, device=dev),
+                "logprobs": torch.zeros(bt, q - 1, device=dev),
+                "start": torch.zeros(bt, dtype=torch.long, device=dev),
+                "anchors": torch.zeros(bt, dtype=torch.long, device=dev),
+                "slot": torch.full((nt,), trash, dtype=torch.long, device=dev),
+                "qidx": torch.full((nt,), bt * q, dtype=torch.long, device=dev),
+                "floor": torch.full((1,), -1.0, device=dev),
+                "q": torch.empty(q, device=dev),
                 "span": torch.empty(span, device=dev),
             }
         q, bt, nt, span, _ = key
@@ -662,6 +727,11 @@ def shared_runtime(
     rt.reset()
     rt.reserve(max_batch, max_len)
     return rt
+
+
+def _fit(x: Tensor, n: int) -> Tensor:
+    """``x`` cut or zero-padded to ``n`` rows (shapes fixed per graph key)."""
+    return x[:n] if x.shape[0] >= n else F.pad(x, (0, n - x.shape[0]))
 
 
 PREFILL_CHUNK = 64

@@ -59,11 +59,12 @@ def survival_of(confidence: Tensor) -> Tensor:
 
 
 def accept_on_device(
-    drafts: Tensor, argmax: Tensor, survival: Tensor, floor: float | None
+    drafts: Tensor, argmax: Tensor, survival: Tensor, floor: float | Tensor | None
 ) -> tuple[Tensor, Tensor]:
     """Greedy acceptance of a whole-block verify on the device: ``(keep, bonus)`` per row,
     the leading drafts equal to the target's argmax, capped to the window a full budget gives
-    (``1 +`` the drafts whose survival reaches ``floor``; every draft when ``floor`` is None),
+    (``1 +`` the drafts whose survival reaches ``floor``, a number or a one-element tensor;
+    every draft when ``floor`` is None),
     and the target's token after them. The same rule as :func:`~dspark_obs.engine.acceptance.
     greedy_accept_batch` on the host, which checks it (the host reads ``keep`` back)."""
     gamma = drafts.shape[1]

@@ -197,13 +197,22 @@ class GraphBank:
     """CUDA graphs of one step function, captured lazily per key, replayed with fresh inputs.
 
     ``fn(**inputs)`` must be graph-safe (no host syncs, fixed shapes per key). Inputs are
-    copied into the key's static buffers before each replay; outputs are the static output
-    tensors (valid until that key is replayed again). All graphs share one memory pool.
+    copied into the key's static buffers before each replay (an input with fewer rows than
+    the captured one fills the first rows; the rest keep earlier values, as padding rows
+    may), except the ``shapes`` inputs, which only carry a size that is part of the key;
+    outputs are the static output tensors (valid until that key is replayed again). All
+    graphs share one memory pool.
     """
 
-    def __init__(self, fn: Callable[..., tuple[Tensor, ...]], device: torch.device) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., tuple[Tensor, ...]],
+        device: torch.device,
+        shapes: Sequence[str] = ("q", "span"),
+    ) -> None:
         self.fn = fn
         self.device = device
+        self.shapes = frozenset(shapes)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict[str, Tensor], tuple]] = {}
         self.pool: object | None = None
         self.capture_seconds = 0.0
@@ -233,6 +242,11 @@ class GraphBank:
             self.capture(key, inputs)
         graph, static, out = self.graphs[key]
         for name, value in inputs.items():
-            static[name].copy_(value, non_blocking=True)
+            if name in self.shapes:
+                continue
+            buf = static[name]
+            if value.shape != buf.shape:
+                buf = buf[: value.shape[0]]
+            buf.copy_(value, non_blocking=True)
         graph.replay()
         return out

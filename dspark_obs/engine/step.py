@@ -15,6 +15,14 @@ running batch (ordered by slot), and gets back the requests that finished.
    censored blocks) go to the run's record builder, which builds Arrow tables on its worker.
 
 The record work of step k runs while the device drafts step k + 1 (``overlap``), or right away.
+
+A step that verifies every block (:meth:`StepPipeline._whole_block`) runs 1-4 on the device
+without a host value in between (:meth:`Runtime.verify_block`: greedy acceptance included),
+and on a runtime that can launch ahead it is read one call later, after the next such step
+launched from the device's own lengths and anchors (``EngineConfig.launch_ahead``): the
+host's per-request work of step k then overlaps the device's step k + 1. Any other step (the
+split step: the plan needs the current survival, or rows are sampled, penalized or masked)
+reads the drafts back before it verifies, after the step in flight was read.
 """
 
 from __future__ import annotations
