@@ -126,7 +126,7 @@ def run_nospec(models: Any, reqs: Sequence[GenRequest], bs: int, device: torch.d
 def run_engine(models: Any, reqs: Sequence[GenRequest], bs: int, mode: str, table: Any,
                device: torch.device, compiled: bool = False,
                backend: str = "batched", whole_block: bool = True,
-               launch_ahead: bool = True) -> Measurement:
+               launch_ahead: bool | None = None) -> Measurement:
     cfg = EngineConfig(mode=mode, gamma=GAMMA, max_batch=bs, cost_table=table, compile=compiled,
                        backend=backend, whole_block_verify=whole_block, launch_ahead=launch_ahead)
     eng = Engine(models.target, models.drafter, cfg, models.stop_ids)
@@ -232,10 +232,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="verify right after drafting when a step verifies every block (one "
                          "read-back per step); --no-whole-block: the step reads the drafts "
                          "back first (engine v3 before this change), for an A/B")
-    ap.add_argument("--launch-ahead", action=argparse.BooleanOptionalAction, default=True,
+    ap.add_argument("--launch-ahead", action=argparse.BooleanOptionalAction, default=None,
                     help="launch a whole-block step before reading the one before it (the "
-                         "host's work overlaps the device's next step); --no-launch-ahead: "
-                         "read each step before the next launches, for an A/B")
+                         "host's work overlaps the device's next step; default: on cuda, "
+                         "where there is something to overlap); --no-launch-ahead: read each "
+                         "step before the next launches, for an A/B")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="fuse each layer's dense pieces with torch.compile (default: on for "
                          "cuda, off for cpu)")

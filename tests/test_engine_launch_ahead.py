@@ -83,9 +83,22 @@ def test_launching_ahead_changes_no_token(mode: str, monkeypatch: pytest.MonkeyP
     assert seen["ahead"] > 10 and seen["skipped"] > 0 and seen["moved_ahead"] > 0
 
 
+def test_a_synchronous_runtime_launches_ahead_only_when_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the CPU nothing would overlap: the default reads each step before the next."""
+    seen = _spy(monkeypatch)
+    cfg = EngineConfig(mode="static", max_batch=3, backend="batched")
+    _run(cfg, _requests(4, seed=1))
+    assert seen["ahead"] == 0
+    _run(EngineConfig(mode="static", max_batch=3, backend="batched", launch_ahead=True),
+         _requests(4, seed=1))  # fmt: skip
+    assert seen["ahead"] > 0
+
+
 def test_launched_ahead_greedy_output_is_plain_greedy_decoding() -> None:
     reqs = _requests(6, seed=5)
-    cfg = EngineConfig(mode="static", max_batch=4, backend="batched")
+    cfg = EngineConfig(mode="static", max_batch=4, backend="batched", launch_ahead=True)
     res, _, _ = _run(cfg, reqs)
     target, _ = _models(7)
     for r in reqs:
@@ -96,7 +109,9 @@ def test_records_of_a_launched_ahead_run_add_up() -> None:
     """No wasted row is recorded: a request's accepted tokens sum to its output, each row
     starts where its previous one ended, every step counts exactly its rows."""
     reqs = _requests(9, seed=4)
-    cfg = EngineConfig(mode="compact", max_batch=3, backend="batched", cost_table=_free_table())
+    cfg = EngineConfig(
+        mode="compact", max_batch=3, backend="batched", cost_table=_free_table(), launch_ahead=True
+    )
     res, steps, req_steps = _run(cfg, reqs, stop_ids=(5,))
     assert any(row["verify_len"] < cfg.gamma + 1 for row in req_steps)  # cut at the floor
     per_req: dict[str, list[dict]] = defaultdict(list)
@@ -194,3 +209,25 @@ def test_a_budget_decided_one_step_ahead_is_the_one_plan_picks(lag: int) -> None
         ahead = decided
     assert 0 < full < 60
     assert Scheduler(_mild_table(), gamma=5, lag=1).decide_ahead(["a"], pending=1) is None
+
+
+def test_a_request_that_grows_the_pool_mid_run_keeps_the_steps_in_flight() -> None:
+    """An arrival needing longer slots regrows the pool while a step is launched ahead: the
+    device lengths and anchors (and their uncommitted steps) move with the caches."""
+    first = _requests(3, seed=6)
+    late = _requests(1, seed=9)[0]
+    late.rid, late.max_new_tokens = "late", 300
+    outs = {}
+    for ahead in (True, False):
+        calls = iter([[], [], [late], None])
+
+        def source(idle: bool, calls=calls):  # type: ignore[no-untyped-def]
+            return next(calls)
+
+        target, drafter = _models(7)
+        cfg = EngineConfig(mode="static", max_batch=4, backend="batched", launch_ahead=ahead)
+        res = Engine(target, drafter, cfg).run(
+            first, FanOut([MemorySink()]).emit, "g", source=source
+        )
+        outs[ahead] = res.outputs
+    assert outs[True] == outs[False] and len(outs[True]["late"]) == 300

@@ -144,7 +144,8 @@ class StepPipeline:
         rows wasted), so the host's per-request work overlaps the device's next step."""
         cfg = self.cfg
         inflight, self._inflight = self._inflight, None
-        ahead = cfg.launch_ahead and self.rt.can_launch_ahead(len(running))
+        wanted = self.rt.asynchronous if cfg.launch_ahead is None else cfg.launch_ahead
+        ahead = wanted and self.rt.can_launch_ahead(len(running))
         if inflight is not None:
             whole, decision = self._whole_block(running, pending=1)
             if whole and ahead:

@@ -62,7 +62,9 @@ class EngineConfig:
     cuda_graphs: bool = True  # batched backend on CUDA: replay captured graphs
     overlap: bool = True  # build step k's records while the device drafts step k + 1
     whole_block_verify: bool = True  # verify right after drafting when every block is verified
-    launch_ahead: bool = True  # whole-block steps: launch step k + 1 before reading step k
+    # whole-block steps: launch step k + 1 before reading step k (None: where it overlaps
+    # anything, i.e. on an asynchronous runtime such as CUDA; True also on the CPU)
+    launch_ahead: bool | None = None
     compile: bool = False  # batched backend: fuse each layer's dense pieces (torch.compile)
     capture_graphs: bool = False  # capture every decode-step CUDA graph before the first step
     token_tiers: tuple[int, ...] | None = None  # packed-token counts graphs are captured for
