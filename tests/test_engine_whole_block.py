@@ -13,7 +13,7 @@ from dspark_obs.engine.acceptance import greedy_accept_argmax, greedy_accept_bat
 from dspark_obs.engine.batched import BatchedRuntime
 from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.reference import ReferenceRuntime
-from dspark_obs.engine.scheduler import Scheduler
+from dspark_obs.engine.scheduler import BudgetDecision, Scheduler
 from dspark_obs.engine.types import EngineConfig, GenRequest
 from dspark_obs.fanout import FanOut, MemorySink
 from tests.test_engine_batched import _models, _requests
@@ -60,7 +60,7 @@ def test_batch_acceptance_names_bad_input() -> None:
 
 
 @pytest.mark.parametrize("lag", [1, 2, 3])
-def test_budget_ahead_is_the_budget_plan_then_picks(lag: int) -> None:
+def test_a_budget_decided_ahead_is_the_budget_plan_then_picks(lag: int) -> None:
     rng = np.random.default_rng(lag)
     sched = Scheduler(_mild_table(), gamma=5, lag=lag)
     plain = Scheduler(_mild_table(), gamma=5, lag=lag)  # never asked ahead
@@ -73,16 +73,18 @@ def test_budget_ahead_is_the_budget_plan_then_picks(lag: int) -> None:
             nxt += 1
         low = 0.6 if rng.random() < 0.5 else 0.9999  # confident batches verify everything
         conf = rng.uniform(low, 1.0, size=(len(alive), 5))
-        ahead = sched.budget_ahead(alive)
-        budget, windows = sched.plan(alive, np.cumprod(conf, axis=1))
+        decided = sched.decide_ahead(alive)
+        assert decided is not None
+        ahead = decided.budget
+        budget, windows = sched.plan(alive, np.cumprod(conf, axis=1), decided)
         want, want_windows = plain.plan(alive, np.cumprod(conf, axis=1))
         assert ahead == budget == want
         assert windows.tolist() == want_windows.tolist()
         assert sched.last_decision == plain.last_decision
         full += budget == len(alive) * 5
     assert 0 < full < 60  # both kinds of step happened
-    assert Scheduler(_mild_table(), gamma=5, lag=0).budget_ahead(alive) is None
-    assert Scheduler(None, gamma=5).budget_ahead(alive) == len(alive) * 5
+    assert Scheduler(_mild_table(), gamma=5, lag=0).decide_ahead(alive) is None
+    assert Scheduler(None, gamma=5).decide_ahead(alive) == BudgetDecision(budget=len(alive) * 5)
 
 
 def _records(target, drafter, cfg: EngineConfig, reqs: list[GenRequest]):

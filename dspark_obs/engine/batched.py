@@ -382,7 +382,8 @@ class BatchedRuntime:
         if end > self.pool.max_len:
             raise RuntimeError(f"slot pool holds {self.pool.max_len} positions, step needs {end}")
         batch = len(slot_idx) if gather else int(slot_idx.max()) + 1
-        bt, nt, bank = self._tiers(batch, int(counts.sum()))
+        bt, nt, graphed = self._tiers(batch, int(counts.sum()))
+        bank = "verify" if graphed else "eager"
         pack = Pack.build(
             slot_idx, tokens, starts, q=q, batch=bt, rows=nt, trash=self.pool.trash, gather=gather
         )
@@ -403,13 +404,13 @@ class BatchedRuntime:
         self.target.tokens_processed += pack.n
         return VerifyOut(logits[: pack.n], argmax[: pack.n].cpu().numpy(), pack)
 
-    def _tiers(self, batch: int, n: int) -> tuple[int, int, str]:
-        """The (batch, token) tiers a forward pads to and its graph bank; eager (CPU, graphs
-        off, or off the captured grid) runs exact sizes."""
+    def _tiers(self, batch: int, n: int) -> tuple[int, int, bool]:
+        """The (batch, token) tiers a forward pads to, and whether a captured graph runs it;
+        eager (CPU, graphs off, or off the captured grid) runs exact sizes."""
         bt, nt = tier_of(batch, self.batch_tiers), tier_of(n, self.token_tiers)
         if self.graphs_on and bt <= self.pool.slots and nt in self.token_tiers:
-            return bt, nt, "verify"
-        return batch, n, "eager"
+            return bt, nt, True
+        return batch, n, False
 
     def verify_block(self, block: DraftBlock, floor: float | None = None) -> BlockVerified:
         """Verify the anchor and every draft of slots ``0..B-1`` (B = the block's rows) and
@@ -426,7 +427,7 @@ class BatchedRuntime:
         end = self._longest(batch) + q
         if end > self.pool.max_len:
             raise RuntimeError(f"slot pool holds {self.pool.max_len} positions, step needs {end}")
-        bt, nt, bank = self._tiers(batch, n)
+        bt, nt, graphed = self._tiers(batch, n)
         slot, qidx = self._block_layout(batch, q, bt, nt)
         span = self._span(end)
         inputs = {
@@ -441,8 +442,8 @@ class BatchedRuntime:
             "q": torch.empty(q, device=self.device),  # shape carriers (graph key parts)
             "span": torch.empty(span, device=self.device),
         }
-        bank = "block" if bank == "verify" else bank
-        if bank == "block" and (q, bt, nt, span) not in self._banks[bank]:  # captured at bt rows
+        bank = "block" if graphed else "eager"
+        if graphed and (q, bt, nt, span) not in self._banks[bank]:  # captured at bt rows
             for name in ("drafts", "conf", "logprobs"):
                 inputs[name] = F.pad(inputs[name], (0, 0, 0, bt - batch))
         logits, summary, new_len, bonus = self._run(bank, (q, bt, nt, span), self._block_fn, inputs)

@@ -5,10 +5,12 @@ Why it exists: a step that verifies every block (``static``, and ``compact`` / `
 whenever the budget, which reads lagged survival only, covers every draft) needs no host value
 between drafting and verifying. The pack's layout follows from the committed lengths alone and
 its tokens are gathered on the device from the draft outputs, so the device runs draft and
-verify back to back, and the step's single device-to-host copy (:meth:`BlockVerified.fetch`)
-carries what the host needs afterwards: drafts, confidences, draft log q and the target's
-argmax. The per-request windows are still planned on the host, from that copy; the extra rows
-of a window cut by the survival floor were computed like tier padding and are never committed.
+verify back to back and accepts greedily (:func:`accept_on_device`), and the step's single
+device-to-host copy (:meth:`BlockVerified.fetch`) carries what the host needs afterwards:
+drafts, confidences, draft log q, survival, the target's argmax and the device's acceptance.
+The host plans the per-request windows from that copy and checks the acceptance against its
+own rule; the extra rows of a window cut by the survival floor were computed like tier
+padding and are never committed.
 """
 
 from __future__ import annotations
@@ -64,9 +66,9 @@ def accept_on_device(
     """Greedy acceptance of a whole-block verify on the device: ``(keep, bonus)`` per row,
     the leading drafts equal to the target's argmax, capped to the window a full budget gives
     (``1 +`` the drafts whose survival reaches ``floor``, a number or a one-element tensor;
-    every draft when ``floor`` is None),
-    and the target's token after them. The same rule as :func:`~dspark_obs.engine.acceptance.
-    greedy_accept_batch` on the host, which checks it (the host reads ``keep`` back)."""
+    every draft when ``floor`` is None), and the target's token after them. The same rule
+    as :func:`~dspark_obs.engine.acceptance.greedy_accept_batch` on the host, which checks it
+    (the host reads ``keep`` back)."""
     gamma = drafts.shape[1]
     keep = (drafts == argmax[:, :gamma]).long().cumprod(dim=1).sum(dim=1)
     if floor is not None:

@@ -57,7 +57,7 @@ from dspark_obs.engine.model import Target
 from dspark_obs.engine.penalties import OutputCounts, penalty_error
 from dspark_obs.engine.runtime import Runtime, engine_runtime, uses_batched
 from dspark_obs.engine.scheduler import Scheduler
-from dspark_obs.engine.step import StepPipeline, opens_censored, run_pending
+from dspark_obs.engine.step import StepIO, StepPipeline, opens_censored, run_pending
 from dspark_obs.engine.step_records import RecordWorker, StepRecordBuilder
 from dspark_obs.engine.step_rows import request_row, waiting_row
 from dspark_obs.engine.types import (
@@ -263,6 +263,8 @@ class Engine:
                 running.remove(live)
                 self._release(live, running)
 
+        io = StepIO(result, pending, finish, out.builder.add, retire)
+
         def drop(req: GenRequest) -> None:  # a waiting request aborted before admission
             out.requests.append(waiting_row(req, self.cfg, run_id))
             result.outputs[req.rid] = []
@@ -317,7 +319,7 @@ class Engine:
                 if not running:  # idle until the next arrival
                     fct = max(fct + 1, waiting[0].arrival_step) if waiting else fct + 1
                     continue
-                pipeline.step(running, fct, result, pending, finish, out.builder.add, retire)
+                pipeline.step(running, fct, io)
                 if not cfg.overlap:
                     settle()
                 result.steps += 1

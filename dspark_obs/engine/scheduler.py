@@ -272,11 +272,6 @@ class Scheduler:
             return None
         return sps_decision(lagged, self.table, survival_eps=self.survival_eps)
 
-    def budget_ahead(self, rids: Sequence[Hashable], pending: int = 0) -> int | None:
-        """:meth:`decide_ahead`'s budget."""
-        decision = self.decide_ahead(rids, pending)
-        return None if decision is None else decision.budget
-
     def plan(
         self,
         rids: Sequence[Hashable],

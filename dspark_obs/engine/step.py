@@ -56,11 +56,24 @@ from dspark_obs.engine.step_records import StepArrays
 from dspark_obs.engine.step_rows import Censors, StepResult, StepStats
 from dspark_obs.engine.types import EngineConfig, OnTokens, RunResult
 
-__all__ = ["StepPipeline", "opens_censored", "run_pending"]
+__all__ = ["StepIO", "StepPipeline", "opens_censored", "run_pending"]
 
 Finish = Callable[[Live, str], None]
 AddStep = Callable[[StepArrays], None]
 Retire = Callable[[list[Live]], None]
+
+
+@dataclass
+class StepIO:
+    """Where a run's steps hand their results (made once per run by the loop): the run's
+    totals, the queued record work, the request-finished and step-arrays callbacks, and
+    ``retire``, which takes finished requests out of the running batch and frees their slots."""
+
+    result: RunResult
+    pending: list[Callable[[], None]]
+    finish: Finish
+    add: AddStep
+    retire: Retire
 
 
 def opens_censored(
@@ -123,20 +136,11 @@ class StepPipeline:
         self._records_read_logits = False  # the last step's records read its target rows
         self._inflight: _Launched | None = None  # launched ahead, read at the next step
 
-    def step(
-        self,
-        running: list[Live],
-        fct: int,
-        result: RunResult,
-        pending: list[Callable[[], None]],
-        finish: Finish,
-        add: AddStep,
-        retire: Retire,
-    ) -> None:
+    def step(self, running: list[Live], fct: int, io: StepIO) -> None:
         """One decode step: draft, plan, verify, accept, commit. Requests that finish go to
-        ``retire`` (which takes them out of ``running`` and frees their slots); their records
-        (and the step's arrays, handed to ``add``) are queued on ``pending``, which the next
-        step runs while the device works (``overlap``) or the caller runs now.
+        ``io.retire``; their records (and the step's arrays, handed to ``io.add``) are queued
+        on ``io.pending``, which the next step runs while the device works (``overlap``) or
+        the caller runs now.
 
         A whole-block step on a runtime that can launch ahead is read one call later: the
         call launches step ``fct`` from the device's lengths and anchors first, then reads
@@ -147,32 +151,32 @@ class StepPipeline:
         wanted = self.rt.asynchronous if cfg.launch_ahead is None else cfg.launch_ahead
         ahead = wanted and self.rt.can_launch_ahead(len(running))
         if inflight is not None:
-            whole, decision = self._whole_block(running, pending=1)
-            if whole and ahead:
+            whole, decision = self._whole_block(running, pending=1) if ahead else (False, None)
+            if whole:
                 if self._records_read_logits:
-                    run_pending(pending)  # they read the buffer this launch overwrites
+                    run_pending(io.pending)  # they read the buffer this launch overwrites
                 if cfg.mode != "static":  # its records may read its rows (censored blocks)
                     inflight.verified.keep_logits()
-                self._inflight = self._launch(running, fct, decision, pending, ahead=True)
+                self._inflight = self._launch(running, fct, decision, io.pending, ahead=True)
                 if cfg.overlap:
-                    run_pending(pending)
-                retire(self._read(inflight, running, result, pending, finish, add))
+                    run_pending(io.pending)
+                io.retire(self._read(inflight, running, io))
                 self._records_read_logits = False  # its rows were copied, or are not read
                 return
-            retire(self._read(inflight, running, result, pending, finish, add))
+            io.retire(self._read(inflight, running, io))
             if not running:
                 return
         whole, decision = self._whole_block(running, pending=0)
         if not whole:
-            retire(self._split_step(running, fct, result, pending, finish, add))
+            io.retire(self._split_step(running, fct, io))
             return
-        launched = self._launch(running, fct, decision, pending, ahead=False)
+        launched = self._launch(running, fct, decision, io.pending, ahead=False)
         if cfg.overlap:
-            run_pending(pending)  # while the device drafts and verifies
+            run_pending(io.pending)  # while the device drafts and verifies
         if ahead:
             self._inflight = launched  # read at the next step, after it launched its own
             return
-        retire(self._read(launched, running, result, pending, finish, add))
+        io.retire(self._read(launched, running, io))
 
     def _launch(
         self,
@@ -209,15 +213,7 @@ class StepPipeline:
             draft_s=t_draft - t0, verify_s=t_end - t_draft,
         )  # fmt: skip
 
-    def _read(
-        self,
-        launched: _Launched,
-        running: list[Live],
-        result: RunResult,
-        pending: list[Callable[[], None]],
-        finish: Finish,
-        add: AddStep,
-    ) -> list[Live]:
+    def _read(self, launched: _Launched, running: list[Live], io: StepIO) -> list[Live]:
         """Read a whole-block step back (its one device-to-host copy), plan its windows, check
         the device's acceptance, commit; returns the requests that finished."""
         cfg, gamma = self.cfg, self.cfg.gamma
@@ -255,26 +251,17 @@ class StepPipeline:
         logits = launched.verified.rows(send, index)
         done, outcomes = self._accept_and_commit(
             lives, launched.block, host.drafts, verify_lens, send, logits, [], lengths_before,
-            result, accepted, on_device=True,
+            io.result, accepted, on_device=True,
         )  # fmt: skip
         step_ms = launched.host_ms + (time.perf_counter() - t0) * 1000.0
         self._hand_over(
             lives, launched.fct, budget, decision, verify_lens, send, lengths_before,
             host.drafts, host.confidence, host.survival, torch.from_numpy(host.logprobs),
-            logits, outcomes, step_ms, launched.events, launched.draft_s, launched.verify_s,
-            pending, finish, add,
+            logits, outcomes, step_ms, launched.events, launched.draft_s, launched.verify_s, io,
         )  # fmt: skip
         return done
 
-    def _split_step(
-        self,
-        running: list[Live],
-        fct: int,
-        result: RunResult,
-        pending: list[Callable[[], None]],
-        finish: Finish,
-        add: AddStep,
-    ) -> list[Live]:
+    def _split_step(self, running: list[Live], fct: int, io: StepIO) -> list[Live]:
         """A step that reads the drafts before it verifies: the plan needs the current
         survival, or rows are sampled, penalized or masked. Returns the finished requests."""
         cfg, gamma = self.cfg, self.cfg.gamma
@@ -288,7 +275,7 @@ class StepPipeline:
         if events:
             events[1].record()
         if cfg.overlap:
-            run_pending(pending)  # the previous step's records, while the device drafts
+            run_pending(io.pending)  # the previous step's records, while the device drafts
         conf = block.confidence.float().cpu().numpy()
         draft_tokens = block.tokens.cpu()
         dt_np = draft_tokens.numpy()
@@ -326,13 +313,13 @@ class StepPipeline:
             all_logits,
             preds,
             lengths_before,
-            result,
+            io.result,
         )
         step_ms = (time.perf_counter() - t0) * 1000.0
         self._hand_over(
             running, fct, budget, decision, verify_lens, send, lengths_before, dt_np, conf,
             survival, draft_lp, all_logits, outcomes, step_ms, events, t_draft - t0,
-            t_verify - t_draft, pending, finish, add,
+            t_verify - t_draft, io,
         )  # fmt: skip
         return done
 
@@ -355,11 +342,9 @@ class StepPipeline:
         events: list[Any],
         draft_s: float,
         verify_s: float,
-        pending: list[Callable[[], None]],
-        finish: Finish,
-        add: AddStep,
+        io: StepIO,
     ) -> None:
-        """The step's statistics and its record work (queued on ``pending``)."""
+        """The step's statistics and its record work (queued on ``io.pending``)."""
         cfg, gamma, bs = self.cfg, self.cfg.gamma, len(running)
         self._records_read_logits = bool((verify_lens <= gamma).any()) or any(
             live.censored for live in running
@@ -389,12 +374,12 @@ class StepPipeline:
             if events:  # device time of this step's draft and verify passes
                 stats.draft_gpu_ms = events[0].elapsed_time(events[1])
                 stats.target_verify_gpu_ms = events[2].elapsed_time(events[3])
-            add(done_step.arrays(cfg, self.censors, self._estimator_logprobs))
+            io.add(done_step.arrays(cfg, self.censors, self._estimator_logprobs))
             for live, (_, _, _, reason) in zip(done_step.running, outcomes, strict=True):
                 if reason is not None:
-                    finish(live, reason)
+                    io.finish(live, reason)
 
-        pending.append(records)
+        io.pending.append(records)
 
     def _accept_and_commit(
         self,
