@@ -165,7 +165,9 @@ def one_run(
 
 def bench_batch(models: Models, bs: int, args: Any, tmp: Path, otlp_url: str) -> dict[str, Any]:
     table = None if args.tiny else load_cost_table(args.cost_table, args.device)
-    config = EngineConfig(mode=args.mode, gamma=5, max_batch=bs, cost_table=table)
+    config = EngineConfig(  # compiled on a GPU, as bench_throughput.py runs it
+        mode=args.mode, gamma=5, max_batch=bs, cost_table=table, compile=args.device == "cuda"
+    )
     engine = Engine(models.target, models.drafter, config, models.stop_ids)
     n = max(args.requests, args.queue_factor * bs)
     reqs = requests_for(models, n, args.new_tokens, args.tiny)

@@ -32,7 +32,7 @@ import torch
 from dspark_obs.engine import slots
 from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.no_spec import run_no_spec
-from dspark_obs.engine.session import load_models, traffic_to_requests
+from dspark_obs.engine.session import load_cost_table, load_models, traffic_to_requests
 from dspark_obs.engine.types import EngineConfig
 from dspark_obs.fanout import FanOut, MemorySink
 from dspark_obs.workloads import load_traffic
@@ -53,8 +53,18 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def engine_run(models: Any, reqs: list, bs: int, tiers: dict, device: str) -> dict[str, Any]:
-    cfg = EngineConfig(mode="static", gamma=5, max_batch=bs, compile=device == "cuda", **tiers)
+def engine_run(
+    models: Any,
+    reqs: list,
+    bs: int,
+    tiers: dict,
+    device: str,
+    mode: str = "static",
+    table: Any = None,
+) -> dict[str, Any]:
+    cfg = EngineConfig(
+        mode=mode, gamma=5, max_batch=bs, compile=device == "cuda", cost_table=table, **tiers
+    )
     eng = Engine(models.target, models.drafter, cfg, models.stop_ids)
     sink = MemorySink()
     sync(device)
@@ -102,15 +112,20 @@ def nospec_run(models: Any, reqs: list, bs: int, device: str) -> dict[str, Any]:
     }
 
 
-def host_profile(models: Any, reqs: list, bs: int, device: str, top: int = 25) -> str:
+def host_profile(
+    models: Any, reqs: list, bs: int, device: str, mode: str, table: Any, top: int = 25
+) -> str:
+    engine_run(models, reqs, bs, NEW_TIERS, device, mode, table)  # warm: graphs, compile
     prof = cProfile.Profile()
     prof.enable()
-    engine_run(models, reqs, bs, NEW_TIERS, device)
+    run = engine_run(models, reqs, bs, NEW_TIERS, device, mode, table)
     prof.disable()
     buf = io.StringIO()
+    buf.write(f"{run['steps']} steps, {run['wall_ms_per_step']:.2f} ms per step under cProfile\n")
     stats = pstats.Stats(prof, stream=buf)
     stats.sort_stats("tottime").print_stats(top)
-    stats.sort_stats("cumulative").print_stats("dspark_obs", top)  # where the step's host time goes
+    stats.sort_stats("tottime").print_stats("dspark_obs", top)  # our own Python
+    stats.sort_stats("cumulative").print_stats("dspark_obs", 2 * top)  # where the step goes
     return buf.getvalue()
 
 
@@ -138,10 +153,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiers", default="old,new")
     ap.add_argument("--cprofile", default="", help="batch sizes for a host cProfile")
     ap.add_argument("--kernels", default="", help="batch sizes for a torch.profiler table")
+    ap.add_argument(
+        "--mode",
+        choices=("static", "compact"),
+        default="static",
+        help="DSpark mode of the engine runs (compact reads --cost-table)",
+    )
+    ap.add_argument("--cost-table", default=None, help="cost table for compact")
+    ap.add_argument("--drafter", default=None, help="drafter directory (default: shipped)")
     ap.add_argument("--out", default="out/step_profile.json")
     args = ap.parse_args(argv)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    models = load_models(device=args.device, dtype=dtype)
+    models = load_models(args.drafter, device=args.device, dtype=dtype)
+    table = load_cost_table(args.cost_table, args.device) if args.mode == "compact" else None
     traffic = load_traffic(args.queue_file)
     result: dict[str, Any] = {
         "command": " ".join(["python", "bench/bench_step_profile.py", *sys.argv[1:]]),
@@ -157,15 +181,16 @@ def main(argv: list[str] | None = None) -> int:
         ns = nospec_run(models, reqs, bs, args.device)
         for tier_name in args.tiers.split(","):
             tiers = OLD_TIERS if tier_name == "old" else NEW_TIERS
-            engine_run(models, reqs, bs, tiers, args.device)  # warm: graphs, compile
-            row = engine_run(models, reqs, bs, tiers, args.device)
+            engine_run(models, reqs, bs, tiers, args.device, args.mode, table)  # warm
+            row = engine_run(models, reqs, bs, tiers, args.device, args.mode, table)
             same = sum(row["outputs"][k] == ns["outputs"][k] for k in ns["outputs"])
             line = {
                 "batch": bs,
                 "tiers": tier_name,
-                "static_tok_s": row["tok_s"],
+                "mode": args.mode,
+                "dspark_tok_s": row["tok_s"],
                 "nospec_tok_s": ns["tok_s"],
-                "static_ms_per_step": row["wall_ms_per_step"],
+                "dspark_ms_per_step": row["wall_ms_per_step"],
                 "nospec_ms_per_step": ns["wall_ms_per_step"],
                 "step_cpu_ms": row["step_cpu_ms"],
                 "draft_gpu_ms": row["draft_gpu_ms"],
@@ -177,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             log(json.dumps(line))
         if str(bs) in args.cprofile.split(","):
             texts.append(
-                f"== host cProfile, static bs={bs}\n" + host_profile(models, reqs, bs, args.device)
+                f"== host cProfile, {args.mode} bs={bs}\n"
+                + host_profile(models, reqs, bs, args.device, args.mode, table)
             )
         if str(bs) in args.kernels.split(","):
             texts.append(kernel_profile(models, reqs, bs, args.device))
@@ -187,13 +213,13 @@ def main(argv: list[str] | None = None) -> int:
     path.with_suffix(".txt").write_text("\n\n".join(texts))
     print("\n\n".join(texts)[-6000:])
     print(
-        "| batch | tiers | no-spec tok/s | static tok/s | ms/step no-spec | ms/step static | "
-        "host step ms | draft gpu ms | verify gpu ms | verify tokens | exact |"
+        "| batch | tiers | mode | no-spec tok/s | DSpark tok/s | ms/step no-spec | "
+        "ms/step DSpark | host step ms | draft gpu ms | verify gpu ms | verify tokens | exact |"
     )
     for r in result["rows"]:
         print(
-            "| {batch} | {tiers} | {nospec_tok_s:.0f} | {static_tok_s:.0f} | "
-            "{nospec_ms_per_step:.2f} | {static_ms_per_step:.2f} | {step_cpu_ms} | "
+            "| {batch} | {tiers} | {mode} | {nospec_tok_s:.0f} | {dspark_tok_s:.0f} | "
+            "{nospec_ms_per_step:.2f} | {dspark_ms_per_step:.2f} | {step_cpu_ms} | "
             "{draft_gpu_ms} | {verify_gpu_ms} | {verify_tokens} | {exact_match:.2f} |".format(**r)
         )
     return 0

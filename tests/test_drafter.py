@@ -96,6 +96,24 @@ def test_greedy_takes_argmax_and_shorter_gamma_is_a_prefix() -> None:
         d.draft(hidden, anchor, gamma=5)
 
 
+@pytest.mark.parametrize("draft_vocab", [None, [0, 3, 5, 7, 11]])
+def test_greedy_chain_without_probs_drafts_the_same_block(draft_vocab: list[int] | None) -> None:
+    """The graph path's greedy chain skips q (greedy acceptance never reads it): the same
+    tokens, log q at the drafts and confidences, with ``probs`` left empty."""
+    tgt = _target()
+    d = _drafter(tgt)
+    d.set_draft_vocab(draft_vocab)
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(3, 4, tgt.cfg.hidden_size, generator=g)
+    base = d.draft_logits(h).float()
+    anchors, temps = torch.tensor([1, 2, 3]), torch.zeros(3)
+    full = d.chain(h, base, anchors, temps, all_greedy=True)
+    lean = d.chain(h, base, anchors, temps, all_greedy=True, with_probs=False)
+    assert torch.equal(lean.tokens, full.tokens) and lean.probs.numel() == 0
+    torch.testing.assert_close(lean.logprobs, full.logprobs, rtol=1e-5, atol=1e-5)
+    assert torch.equal(lean.confidence, full.confidence)
+
+
 def test_per_request_generators_are_batch_independent() -> None:
     tgt = _target()
     d = _drafter(tgt)

@@ -17,7 +17,7 @@ from dspark_obs.engine.model import Target
 from dspark_obs.engine.no_spec import run_no_spec
 from dspark_obs.engine.reference import ReferenceRuntime
 from dspark_obs.engine.runtime import Runtime
-from dspark_obs.engine.slots import Pack, tier_of
+from dspark_obs.engine.slots import Pack, prefill_plan, tier_of
 from dspark_obs.engine.types import EngineConfig, EngineError, GenRequest
 from dspark_obs.fanout import FanOut, MemorySink
 from dspark_obs.testing.tiny_models import tiny_pair
@@ -97,6 +97,48 @@ def test_packed_forward_equals_the_reference_target_through_rollbacks_and_moves(
         if step == 2:  # the middle request finishes: the highest slot moves into its place
             assert rt.release(slots[1]) == 2
             caches, slots = [caches[0], caches[2]], [0, 1]
+
+
+def test_prefill_plan_covers_every_prompt_in_order_within_its_caps() -> None:
+    lengths = [5, 2, 9, 1, 4]
+    plan = prefill_plan(lengths, 4, 6)
+    seen: dict[int, int] = dict.fromkeys(range(len(lengths)), 0)  # prompt -> tokens so far
+    for segments in plan:
+        assert sum(end - start for _, start, end in segments) <= 6
+        assert len({i for i, _, _ in segments}) == len(segments)  # one segment per prompt
+        for i, start, end in segments:
+            assert start == seen[i] and 0 < end - start <= 4  # chunk r after chunk r - 1
+            seen[i] = end
+    assert seen == dict(enumerate(lengths))
+    assert [len(f) for f in plan] == [2, 2, 1, 2, 1]  # 4+2 | 4+1 | 4 ; 1+4 | 1
+    assert prefill_plan([3, 7], 7, None) == [[(0, 0, 3), (1, 0, 7)]]  # eager: one forward
+    with pytest.raises(ValueError, match="forwards of 2"):
+        prefill_plan([3], 4, 2)
+
+
+def test_prefill_in_many_forwards_equals_the_reference_target_and_drafter() -> None:
+    """Capped prefill forwards (what graphs do with long prompts or many at once) leave the
+    same logits, target cache and drafter context as one reference prefill per prompt."""
+    target, drafter = _models(2)
+    rt = BatchedRuntime(target, drafter, max_batch=5, max_len=128, gamma=3)
+    rt.prefill_widths, rt.prefill_tokens = (2, 4), 6
+    prompts = [[1, 2, 3, 4, 5], [6, 7], [1, 1, 2, 3, 5, 0, 7, 2, 4], [3], [4, 4, 0, 1]]
+    caches, dcs = [target.new_cache(128) for _ in prompts], [drafter.new_cache() for _ in prompts]
+    slots = [rt.acquire() for _ in prompts]
+    first = rt.prefill(slots, prompts)
+    for i, p in enumerate(prompts):
+        ref = target.prefill(p, caches[i], drafter.hidden_layers)
+        torch.testing.assert_close(first[i], ref.logits[0][-1], rtol=1e-9, atol=1e-9)
+        drafter.extend(dcs[i], ref.hidden[0])
+        rt.set_anchor(slots[i], i + 1)
+    got = rt.draft([0.0] * len(slots), sts=np.ones((len(slots), 3)))
+    want = drafter.draft_batch(dcs, [1, 2, 3, 4, 5], 3, 0.0)
+    assert torch.equal(got.tokens, want.tokens)
+    rows = [[i + 1, *got.tokens[i].tolist()] for i in range(len(slots))]
+    out = rt.forward(slots, rows)
+    ref = target.forward([torch.tensor(r) for r in rows], caches)
+    for a, b in zip(out.split()[0], ref.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
 def test_drafts_equal_the_reference_drafter_after_commits_and_a_slot_move() -> None:

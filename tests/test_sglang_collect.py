@@ -338,7 +338,10 @@ def test_server_killed_mid_run_and_restarted(tmp_path):
         first.send_signal(signal.SIGKILL)  # mid-run: requests in flight die with it
         first.wait()
         inflight.join()
-        time.sleep(0.3)  # some polls fail against the dead server
+        totals = col.servers[0].totals
+        deadline = time.monotonic() + 30  # a poll fails against the dead server (counted,
+        while totals.failed_polls < 1 and time.monotonic() < deadline:  # not timed)
+            time.sleep(0.02)
         second = _spawn(port)
         try:
             res = drive(
@@ -348,7 +351,9 @@ def test_server_killed_mid_run_and_restarted(tmp_path):
                 api="sglang",
                 concurrency=3,
             )
-            time.sleep(0.2)
+            deadline = time.monotonic() + 30  # until the poller has read the new process
+            while totals.restarts < 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
         finally:
             col.stop()
             poller.join()

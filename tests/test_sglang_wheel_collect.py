@@ -685,3 +685,42 @@ def test_a_poll_failing_after_it_stored_rows_counts_what_it_stored(
     got = _steps(store, "r")
     assert len(got) == sum(len(r.appended) for r in sim.ranks)
     assert sc.totals.steps == len(got) and sc.totals.req_steps == _req_count(store, "r")
+
+
+def test_a_restart_found_by_a_poll_that_then_fails_is_still_reported(
+    sglang_wheel, tmp_path, monkeypatch
+):
+    """A poll that sees the new process, then fails, still reports the restart it found (the
+    restart is counted either way; its note must not be lost with the failed poll)."""
+    from dspark_obs.sglang.fetch import CollectError
+    from dspark_obs.sglang.server_collector import ServerCollector
+
+    sim = SimServer(sglang_wheel, dp=1, seed=5)
+    srv = SimHTTP(sim)
+    store = Store(tmp_path / "store")
+    notes: list[str] = []
+    opts = CollectorOptions(srv.url, "rf", state_dir=tmp_path / "state", timeout_s=5.0)
+    col = Collector([opts], [store], interval_s=0.01, report=lambda run, msg: notes.append(msg))
+    real = ServerCollector._read_estimator
+
+    def fail_once(self: ServerCollector, rep: object) -> None:
+        monkeypatch.setattr(ServerCollector, "_read_estimator", real)
+        raise CollectError("estimator file vanished")
+
+    try:
+        srv.step(10)
+        col.poll_once()
+        with srv.lock:
+            sim.restart()
+        srv.step(3)
+        monkeypatch.setattr(ServerCollector, "_read_estimator", fail_once)
+        col.poll_once()  # sees the new process, then fails
+        t = col.servers[0].totals
+        assert t.restarts == 1 and t.failed_polls == 1
+        assert [n for n in notes if "restart at stored forward_ct 11" in n]
+        assert notes[-1].startswith("poll failed") and "estimator file vanished" in notes[-1]
+        col.poll_once()
+        col.finish()
+    finally:
+        srv.close()
+    assert len(_steps(store, "rf")) == 10 + 3

@@ -56,10 +56,12 @@ from dspark_obs.engine.packed import drafter_extend, drafter_states, target_forw
 from dspark_obs.engine.slots import (
     BATCH_TIERS,
     LENGTH_TIERS,
+    PREFILL_WIDTHS,
     TOKEN_TIERS,
     GraphBank,
     Pack,
     SlotPool,
+    prefill_plan,
     round_up,
     tier_of,
 )
@@ -127,6 +129,13 @@ class BatchedRuntime:
         self._floors: dict[float, Tensor] = {}
         self._sts_cache: dict[tuple, Tensor] = {}
         self.pool = self._new_pool(max_batch, max_len)
+        # Prefill forwards: chunk widths (each a graph key part) and a token cap, so that
+        # under graphs every prefill forward is a captured one; eager: one exact forward.
+        cap = max(self.token_tiers)
+        self.prefill_widths: tuple[int, ...] = (
+            tuple(w for w in PREFILL_WIDTHS if w <= cap) or (cap,) if self.graphs_on else ()
+        )
+        self.prefill_tokens: int | None = cap if self.graphs_on else None
 
     def _new_pool(self, max_batch: int, max_len: int) -> SlotPool:
         slots = tier_of(max_batch, self.batch_tiers) if self.graphs_on else max_batch
@@ -150,6 +159,7 @@ class BatchedRuntime:
         if self.graphs_on:
             self._banks = {
                 "verify": GraphBank(self._verify_fn, self.device),
+                "prefill": GraphBank(self._prefill_fn, self.device),
                 "block": GraphBank(self._block_fn, self.device),
                 "draft": GraphBank(self._draft_fn, self.device),
             }
@@ -304,7 +314,7 @@ class BatchedRuntime:
         return cached
 
     # -- step functions (graph-safe) ------------------------------------------------------
-    def _verify_fn(
+    def _states(
         self,
         tokens: Tensor,
         slot: Tensor,
@@ -314,7 +324,9 @@ class BatchedRuntime:
         q: Tensor,
         span: Tensor,
         row_slot: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor]:
+    ) -> Tensor:
+        """One packed target forward (its K/V into the pool, the drafter's context from its
+        features): the final-normed states [N, d]."""
         normed, feats = target_forward(
             self.target,
             self.pool.kv,
@@ -331,8 +343,17 @@ class BatchedRuntime:
         )
         if self.drafter is not None and self.pool.dkv is not None:
             drafter_extend(self.drafter, self.pool.dkv, feats, slot, pos)
-        logits = self.target.lm_head(normed).float()
+        return normed
+
+    def _verify_fn(self, **inputs: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`_states` with float logits [N, V] at every row and their argmax."""
+        logits = self.target.lm_head(self._states(**inputs)).float()
         return logits, logits.argmax(-1)
+
+    def _prefill_fn(self, last: Tensor, **inputs: Tensor) -> tuple[Tensor]:
+        """:meth:`_states` with float logits at rows ``last`` [B] only (each prompt's last
+        position): a prefill forward of hundreds of tokens needs one row each."""
+        return (self.target.lm_head(self._states(**inputs)[last]).float(),)
 
     def _draft_fn(
         self, anchors: Tensor, committed: Tensor, sts: Tensor, span: Tensor
@@ -342,7 +363,9 @@ class BatchedRuntime:
             self.drafter, self.pool.dkv, anchors, committed, sts.shape[1], span.shape[0]
         )
         greedy = torch.zeros(anchors.shape[0], device=anchors.device)
-        blk = self.drafter.chain(h, base, anchors, greedy, sts=sts, all_greedy=True)
+        blk = self.drafter.chain(
+            h, base, anchors, greedy, sts=sts, all_greedy=True, with_probs=False
+        )
         return blk.tokens, blk.logprobs, blk.conf_logits, blk.confidence, h, base
 
     def _span(self, end: int) -> int:
@@ -370,6 +393,17 @@ class BatchedRuntime:
         """Run ``tokens[i]`` at the end of slot ``slots[i]`` (lengths advance by their count:
         commit smaller lengths to roll back). Under graphs a step pads to its tiers. Nothing
         here waits for the device but the argmax read."""
+        pack, inputs, key, graphed = self._packed(slots, tokens, q, gather)
+        bank = "verify" if graphed else "eager"
+        logits, argmax = self._run(bank, (*key, gather), self._verify_fn, inputs)
+        return VerifyOut(logits[: pack.n], argmax[: pack.n].cpu().numpy(), pack)
+
+    def _packed(
+        self, slots: Sequence[int], tokens: Sequence[Sequence[int]], q: int | None, gather: bool
+    ) -> tuple[Pack, dict[str, Tensor], tuple[int, int, int, int], bool]:
+        """The device inputs of one packed forward of ``tokens[i]`` into slot ``slots[i]``,
+        its graph key ``(q, batch tier, token tier, span)`` and whether a graph runs it; the
+        host lengths advance now (the caller launches it before anything reads them)."""
         counts = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
         q = q or int(counts.max())
         lengths = self.pool.lengths
@@ -383,7 +417,6 @@ class BatchedRuntime:
             raise RuntimeError(f"slot pool holds {self.pool.max_len} positions, step needs {end}")
         batch = len(slot_idx) if gather else int(slot_idx.max()) + 1
         bt, nt, graphed = self._tiers(batch, int(counts.sum()))
-        bank = "verify" if graphed else "eager"
         pack = Pack.build(
             slot_idx, tokens, starts, q=q, batch=bt, rows=nt, trash=self.pool.trash, gather=gather
         )
@@ -399,10 +432,9 @@ class BatchedRuntime:
         }
         if gather:
             inputs["row_slot"] = self._device(pack.row_slot)
-        logits, argmax = self._run(bank, (q, bt, nt, span, gather), self._verify_fn, inputs)
         lengths[slot_idx] += counts
         self.target.tokens_processed += pack.n
-        return VerifyOut(logits[: pack.n], argmax[: pack.n].cpu().numpy(), pack)
+        return pack, inputs, (q, bt, nt, span), graphed
 
     def _tiers(self, batch: int, n: int) -> tuple[int, int, bool]:
         """The (batch, token) tiers a forward pads to, and whether a captured graph runs it;
@@ -419,7 +451,7 @@ class BatchedRuntime:
         and the drafts (see :mod:`~dspark_obs.engine.block_verify`), and the acceptance
         (windows cut at survival ``floor``) advances the device lengths and anchors, so the
         next draft can launch before the host reads this one. The host commits each row with
-        ``commit(..., on_device=True)``. The target runs :meth:`_verify_fn`, as in
+        ``commit(..., on_device=True)``. The target runs :meth:`_states`, as in
         :meth:`forward`, so the numbers are the same too."""
         batch, gamma = block.tokens.shape
         q, n = gamma + 1, batch * gamma + batch
@@ -481,7 +513,8 @@ class BatchedRuntime:
         tokens = torch.cat([anchors[:, None], drafts], dim=1).reshape(-1)
         pos = (start[:, None] + torch.arange(nq, device=start.device)).reshape(-1)
         tokens, pos = _fit(tokens, nt), _fit(pos, nt)
-        logits, argmax = self._verify_fn(tokens, slot, pos, qidx, start, q, span)
+        logits = self.target.lm_head(self._states(tokens, slot, pos, qidx, start, q, span)).float()
+        argmax = logits.argmax(-1)
         pred = _fit(argmax, bt * nq).view(bt, nq)
         survival = survival_of(conf)
         keep, bonus = accept_on_device(drafts, pred, survival, floor)
@@ -509,25 +542,35 @@ class BatchedRuntime:
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> Tensor:
         """Run prompts into empty slots together: float logits [k, V] of each prompt's last
-        position. Under graphs prompts go in fixed-width chunks (one captured width), and
-        attention covers only these requests, whatever their slot numbers."""
+        position, left on the device (nothing here waits for it). Attention covers only these
+        requests, whatever their slot numbers. Under graphs the prompts go in as few captured
+        forwards as the token tiers allow (:func:`prefill_plan`), launched back to back; a
+        forward computes logits only at the prompts' last positions."""
         if any(self.pool.lengths[s] for s in slots):
             raise ValueError(f"prefill into a slot that is not empty: {list(slots)}")
-        longest = max(len(p) for p in prompts)
-        chunk = PREFILL_CHUNK if self.graphs_on else longest
+        lengths = [len(p) for p in prompts]
+        widths = self.prefill_widths
+        width = min(tier_of(max(lengths), widths), widths[-1]) if widths else max(lengths)
+        plan = prefill_plan(lengths, width, self.prefill_tokens)
         last: list[Tensor | None] = [None] * len(slots)
-        for at in range(0, longest, chunk):
-            live = [i for i, p in enumerate(prompts) if len(p) > at]
-            out = self.forward(
-                [slots[i] for i in live],
-                [list(prompts[i][at : at + chunk]) for i in live],
-                q=min(chunk, longest),
+        for segments in plan:
+            longest = max(end - start for _, start, end in segments)
+            q = tier_of(longest, widths) if widths else longest
+            pack, inputs, key, graphed = self._packed(
+                [slots[i] for i, _, _ in segments],
+                [list(prompts[i][start:end]) for i, start, end in segments],
+                q,
                 gather=True,
             )
-            ends = np.cumsum(out.pack.counts) - 1
-            for j, i in enumerate(live):
-                if len(prompts[i]) <= at + chunk:
-                    last[i] = out.logits[int(ends[j])]
+            done = [j for j, (i, _, end) in enumerate(segments) if end == lengths[i]]
+            rows = np.zeros(pack.batch, dtype=np.int64)
+            rows[: len(done)] = (np.cumsum(pack.counts) - 1)[done]
+            inputs["last"] = self._device(rows)
+            bank = "prefill" if graphed else "eager"
+            (logits,) = self._run(bank, key, self._prefill_fn, inputs)
+            logits = logits[: len(done)].clone()  # the key's next replay reuses its buffer
+            for r, j in enumerate(done):
+                last[segments[j][0]] = logits[r]
         return torch.stack([x for x in last if x is not None])
 
     def draft(
@@ -733,7 +776,3 @@ def shared_runtime(
 def _fit(x: Tensor, n: int) -> Tensor:
     """``x`` cut or zero-padded to ``n`` rows (shapes fixed per graph key)."""
     return x[:n] if x.shape[0] >= n else F.pad(x, (0, n - x.shape[0]))
-
-
-PREFILL_CHUNK = 64
-"""Prompt tokens per prefill forward under CUDA graphs (one captured width)."""

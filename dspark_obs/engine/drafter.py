@@ -407,6 +407,7 @@ class Drafter(nn.Module):
         *,
         sts: Tensor | None = None,
         all_greedy: bool | None = None,
+        with_probs: bool = True,
     ) -> DraftBlock:
         """Left-to-right Markov recursion over a block's states: the drafts, their exact q_k
         rows and the confidences. h [B, g, d] final-normed states, base [B, g, V'] float
@@ -415,6 +416,8 @@ class Drafter(nn.Module):
 
         ``sts`` [B, g] (the regime's STS temperatures per row) and ``all_greedy`` let a caller
         that cannot sync with the host (a CUDA graph capture) pass what would be looked up.
+        ``with_probs=False`` with every row greedy leaves ``probs`` empty: greedy acceptance
+        never reads q, and a block's q rows are ``B * g * V`` floats written per step.
         """
         gamma = h.shape[1]
         dev = h.device
@@ -434,6 +437,12 @@ class Drafter(nn.Module):
             u = self.markov_u(prev)
             lg = base[:, k].float() + (u @ mv.t()).float()
             zs.append(self._conf(h[:, k], u))
+            if all_greedy and not with_probs:  # log q at the argmax, without q itself
+                tok = lg.argmax(-1)
+                lps.append(lg.gather(1, tok[:, None])[:, 0] - torch.logsumexp(lg, -1))
+                toks.append(tok if ids is None else ids[tok])
+                prev = toks[-1]
+                continue
             q = torch.softmax(lg / tsafe[:, None], -1)
             tok = lg.argmax(-1)  # an index into the draft vocabulary (== the id without one)
             if not all_greedy:
@@ -452,7 +461,7 @@ class Drafter(nn.Module):
         return DraftBlock(
             tokens=torch.stack(toks, 1),
             logprobs=torch.stack(lps, 1),
-            probs=torch.stack(probs, 1),
+            probs=torch.stack(probs, 1) if probs else base.new_zeros(0),
             conf_logits=z,
             confidence=torch.sigmoid(z / sts),
         )

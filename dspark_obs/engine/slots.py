@@ -25,8 +25,10 @@ __all__ = [
     "LENGTH_TIERS",
     "TOKEN_TIERS",
     "GraphBank",
+    "PREFILL_WIDTHS",
     "Pack",
     "SlotPool",
+    "prefill_plan",
     "round_up",
     "tier_of",
 ]
@@ -190,6 +192,39 @@ class Pack:
         row_slot = np.full(batch, trash, dtype=np.int64)
         row_slot[grid_row] = slot_arr
         return cls(tok, slot, pos, qidx, past, n, batch, q, counts, row_slot)
+
+
+PREFILL_WIDTHS: tuple[int, ...] = (64, 128, 256, 512)
+"""Prompt chunk widths a prefill forward is captured for under CUDA graphs (a prompt longer
+than the widest goes in several chunks). On the H200 a graphed forward of a few hundred
+tokens costs about what one of 64 does, so a prompt should take as few forwards as it can."""
+
+
+def prefill_plan(
+    lengths: Sequence[int], width: int, tokens: int | None
+) -> list[list[tuple[int, int, int]]]:
+    """The forwards of one prefill: each a list of ``(prompt index, start, end)`` segments,
+    at most one per prompt, of at most ``width`` tokens and ``tokens`` in all (None: no cap).
+    Chunk ``r`` of every prompt comes in a forward after chunk ``r - 1`` (it attends to it)."""
+    if width < 1 or (tokens is not None and tokens < width):
+        raise ValueError(f"prefill chunks of {width} tokens in forwards of {tokens}")
+    plan: list[list[tuple[int, int, int]]] = []
+    for start in range(0, max(lengths, default=0), width):
+        group: list[tuple[int, int, int]] = []
+        used = 0
+        for i, n in enumerate(lengths):
+            if n <= start:
+                continue
+            seg = (i, start, min(n, start + width))
+            size = seg[2] - start
+            if group and tokens is not None and used + size > tokens:
+                plan.append(group)
+                group, used = [], 0
+            group.append(seg)
+            used += size
+        if group:
+            plan.append(group)
+    return plan
 
 
 # --------------------------------------------------------------------------- CUDA graphs

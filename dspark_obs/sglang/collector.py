@@ -107,6 +107,8 @@ class Collector:
             sc.totals.failed_polls += 1
             sc.totals.last_error = str(exc)
             self.up[sc.opts.run_id] = False
+            for note in exc.notes:  # found before it failed (a restart, gaps)
+                self.report(sc.opts.run_id, note)
             self.report(sc.opts.run_id, f"poll failed: {exc}")
             return None
         self.up[sc.opts.run_id] = True

@@ -15,7 +15,12 @@ __all__ = ["CollectError", "fetch"]
 
 
 class CollectError(RuntimeError):
-    """A poll failed (server down, timeout, bad body); retried by :meth:`Collector.run`."""
+    """A poll failed (server down, timeout, bad body); retried by :meth:`Collector.run`.
+
+    ``notes``: what the failed poll had found before it failed (a restart, stored rows'
+    gaps), so the caller still reports them."""
+
+    notes: tuple[str, ...] = ()
 
 
 def fetch(

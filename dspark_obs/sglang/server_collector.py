@@ -208,9 +208,13 @@ class ServerCollector:
         """
         rep = PollReport()
         try:
-            self._poll(rep, final, until)
-        finally:  # a poll that fails after storing rows still counts them and their gaps
-            self._account(rep)
+            try:
+                self._poll(rep, final, until)
+            finally:  # a poll that fails after storing rows still counts them and their gaps
+                self._account(rep)
+        except CollectError as exc:
+            exc.notes = tuple(rep.notes)  # what it found is still reported (a restart, gaps)
+            raise
         self.totals.polls += 1
         return rep
 
