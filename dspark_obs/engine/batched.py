@@ -131,11 +131,12 @@ class BatchedRuntime:
         self.pool = self._new_pool(max_batch, max_len)
         # Prefill forwards: chunk widths (each a graph key part) and a token cap, so that
         # under graphs every prefill forward is a captured one; eager: one exact forward.
-        cap = max(self.token_tiers)
-        self.prefill_widths: tuple[int, ...] = (
-            tuple(w for w in PREFILL_WIDTHS if w <= cap) or (cap,) if self.graphs_on else ()
-        )
-        self.prefill_tokens: int | None = cap if self.graphs_on else None
+        self.prefill_widths: tuple[int, ...] = ()
+        self.prefill_tokens: int | None = None
+        if self.graphs_on:
+            cap = max(self.token_tiers)
+            self.prefill_widths = tuple(w for w in PREFILL_WIDTHS if w <= cap) or (cap,)
+            self.prefill_tokens = cap
 
     def _new_pool(self, max_batch: int, max_len: int) -> SlotPool:
         slots = tier_of(max_batch, self.batch_tiers) if self.graphs_on else max_batch
@@ -451,7 +452,7 @@ class BatchedRuntime:
         and the drafts (see :mod:`~dspark_obs.engine.block_verify`), and the acceptance
         (windows cut at survival ``floor``) advances the device lengths and anchors, so the
         next draft can launch before the host reads this one. The host commits each row with
-        ``commit(..., on_device=True)``. The target runs :meth:`_states`, as in
+        ``commit(..., on_device=True)``. The target runs :meth:`_verify_fn`, as in
         :meth:`forward`, so the numbers are the same too."""
         batch, gamma = block.tokens.shape
         q, n = gamma + 1, batch * gamma + batch
@@ -513,8 +514,9 @@ class BatchedRuntime:
         tokens = torch.cat([anchors[:, None], drafts], dim=1).reshape(-1)
         pos = (start[:, None] + torch.arange(nq, device=start.device)).reshape(-1)
         tokens, pos = _fit(tokens, nt), _fit(pos, nt)
-        logits = self.target.lm_head(self._states(tokens, slot, pos, qidx, start, q, span)).float()
-        argmax = logits.argmax(-1)
+        logits, argmax = self._verify_fn(
+            tokens=tokens, slot=slot, pos=pos, qidx=qidx, past=start, q=q, span=span
+        )
         pred = _fit(argmax, bt * nq).view(bt, nq)
         survival = survival_of(conf)
         keep, bonus = accept_on_device(drafts, pred, survival, floor)

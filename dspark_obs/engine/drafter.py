@@ -432,28 +432,26 @@ class Drafter(nn.Module):
         ids = self.draft_vocab if self.draft_vocab.numel() else None
         mv = self.markov_v if ids is None else self._draft_weights()[1]
         toks, lps, probs, zs = [], [], [], []
+        lean = all_greedy and not with_probs  # log q at the argmax, without q itself
         prev = anchors
         for k in range(gamma):
             u = self.markov_u(prev)
             lg = base[:, k].float() + (u @ mv.t()).float()
             zs.append(self._conf(h[:, k], u))
-            if all_greedy and not with_probs:  # log q at the argmax, without q itself
-                tok = lg.argmax(-1)
-                lps.append(lg.gather(1, tok[:, None])[:, 0] - torch.logsumexp(lg, -1))
-                toks.append(tok if ids is None else ids[tok])
-                prev = toks[-1]
-                continue
-            q = torch.softmax(lg / tsafe[:, None], -1)
             tok = lg.argmax(-1)  # an index into the draft vocabulary (== the id without one)
-            if not all_greedy:
-                tok = torch.where(greedy, tok, _sample_rows(q, generator, greedy))
-            p_tok = q.gather(1, tok[:, None])[:, 0]
+            if lean:
+                lps.append(lg.gather(1, tok[:, None])[:, 0] - torch.logsumexp(lg, -1))
+            else:
+                q = torch.softmax(lg / tsafe[:, None], -1)
+                if not all_greedy:
+                    tok = torch.where(greedy, tok, _sample_rows(q, generator, greedy))
+                lps.append(torch.log(q.gather(1, tok[:, None])[:, 0].clamp_min(1e-30)))
+                if ids is not None:
+                    q = q.new_zeros(q.shape[0], self.cfg.vocab_size).index_copy_(1, ids, q)
+                probs.append(q)
             if ids is not None:
                 tok = ids[tok]
-                q = q.new_zeros(q.shape[0], self.cfg.vocab_size).index_copy_(1, ids, q)
             toks.append(tok)
-            lps.append(torch.log(p_tok.clamp_min(1e-30)))
-            probs.append(q)
             prev = tok
         z = torch.stack(zs, 1)
         if z.dim() == 3:  # per request: the head of its sampling regime
