@@ -112,6 +112,9 @@ def test_server_info_dump_and_internal_state(server):
         "max_new_tokens": 8, "temperature": 0}})
     info = _call(server, "/server_info")
     assert info["speculative_num_draft_tokens"] == 6
+    # the start-up durations are measured (they tell this process from a restarted one)
+    startup = info["startup_time"]
+    assert startup["load_weight"] > 0 and startup["scheduler_e2e"] >= startup["load_weight"]
     dump = info["internal_states"][0]["dspark_info_record"]
     assert (dump["mode"], dump["gamma"], dump["verify_num_draft_tokens"]) == ("cap-accept", 5, 6)
     rec = dump["records"][-1]

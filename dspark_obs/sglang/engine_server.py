@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,7 @@ def build_service(
     ``opts.drafter``; errors before any socket."""
     from dspark_obs.engine.session import load_cost_table, load_models
 
+    t0 = time.perf_counter()  # start-up durations are reported as SGLang does (startup_time)
     mode = resolve_mode(opts.mode, env)
     components = resolve_components(opts.dump, env)
     lag = opts.lag
@@ -158,7 +160,9 @@ def build_service(
         max_records=opts.max_records,
         estimator_path=est,
     )
-    return EngineService(engine, codec, svc_cfg, run_id=opts.run_id)
+    return EngineService(
+        engine, codec, svc_cfg, run_id=opts.run_id, built_s=time.perf_counter() - t0
+    )
 
 
 class EngineServer:
