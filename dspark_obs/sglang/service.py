@@ -83,9 +83,13 @@ class EngineService:
         engine: Engine,
         codec: Codec,
         config: ServiceConfig,
+        *,
+        built_s: float,
         run_id: str = "serve",
-        built_s: float = 0.0,
     ) -> None:
+        """``built_s``: what loading the models and building the engine took, measured by the
+        caller; it is ``startup_time``'s ``load_weight`` (no default: a made-up 0.0 would let
+        two processes send the same ``startup_time`` and a restart pass for a re-read)."""
         t0 = time.perf_counter()
         unknown = set(config.components) - set(COMPONENTS)
         if unknown:
