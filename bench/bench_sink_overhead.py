@@ -73,7 +73,7 @@ from dspark_obs.sinks.serve import start_http
 from dspark_obs.store import Store
 from dspark_obs.testing.otlp_drop import start_otlp_drop
 from dspark_obs.testing.tiny_models import tiny_models
-from dspark_obs.workloads import mixed_traffic
+from dspark_obs.workloads import load_traffic, mixed_traffic
 
 VARIANTS = ("none", "prometheus", "store", "all")
 # the --tiny models: a 64-token vocabulary, the drafter config's own Markov rank and window
@@ -81,7 +81,9 @@ TINY = dict(vocab_size=64, max_position=1024, markov_rank=None, context_window=N
             drafter_name="tiny")  # fmt: skip
 
 
-def requests_for(models: Models, n: int, new_tokens: int, tiny: bool) -> list[GenRequest]:
+def requests_for(
+    models: Models, n: int, new_tokens: int, tiny: bool, queue_file: Path | None = None
+) -> list[GenRequest]:
     if tiny:
         rng = np.random.default_rng(0)
         return [
@@ -90,7 +92,15 @@ def requests_for(models: Models, n: int, new_tokens: int, tiny: bool) -> list[Ge
                        ignore_eos=True)
             for i in range(n)
         ]  # fmt: skip
-    traffic = mixed_traffic(n, seed=0, max_new_tokens=new_tokens)
+    if queue_file is None:
+        traffic = mixed_traffic(n, seed=0, max_new_tokens=new_tokens)
+    else:  # a saved queue (bench_throughput.py --save-queue): no prompt sources needed
+        traffic = load_traffic(queue_file)
+        if len(traffic) < n:
+            raise SystemExit(f"{queue_file} holds {len(traffic)} requests, {n} needed")
+        traffic = traffic[:n]
+        for t in traffic:
+            t.max_new_tokens, t.arrival_step, t.temperature = new_tokens, 0, 0.0
     return traffic_to_requests(traffic, models.tokenizer)
 
 
@@ -170,7 +180,7 @@ def bench_batch(models: Models, bs: int, args: Any, tmp: Path, otlp_url: str) ->
     )
     engine = Engine(models.target, models.drafter, config, models.stop_ids)
     n = max(args.requests, args.queue_factor * bs)
-    reqs = requests_for(models, n, args.new_tokens, args.tiny)
+    reqs = requests_for(models, n, args.new_tokens, args.tiny, args.queue_file)
     variants = list(VARIANTS) + (["store-inline"] if args.inline else [])
     print(f"batch {bs}: {len(reqs)} requests, warm-up", file=sys.stderr)
     one_run(engine, reqs, "all", tmp, otlp_url, f"warm-{bs}", args)
@@ -252,12 +262,15 @@ def main() -> None:
         "--switch-interval", type=float, default=None,
         help="sys.setswitchinterval (s): how long a sink thread may hold the GIL (default 5 ms)",
     )  # fmt: skip
+    ap.add_argument("--queue-file", type=Path, default=None,
+                    help="replay this saved queue (JSONL) instead of building one from the prompts")
+    ap.add_argument("--drafter", default=None, help="drafter checkpoint (default: the shipped one)")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (a .md goes beside it)")
     args = ap.parse_args()
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
 
-    models = tiny_models(**TINY) if args.tiny else load_models(device=args.device)
+    models = tiny_models(**TINY) if args.tiny else load_models(args.drafter, device=args.device)
     if args.tiny and args.device != "cpu":
         models = replace(models, target=models.target.to(args.device),
                          drafter=models.drafter.to(args.device))  # fmt: skip

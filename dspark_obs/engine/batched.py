@@ -315,6 +315,7 @@ class BatchedRuntime:
         return cached
 
     # -- step functions (graph-safe) ------------------------------------------------------
+    @torch.no_grad()  # the packed paths serve; training runs the modules
     def _states(
         self,
         tokens: Tensor,
@@ -356,6 +357,7 @@ class BatchedRuntime:
         position): a prefill forward of hundreds of tokens needs one row each."""
         return (self.target.lm_head(self._states(**inputs)[last]).float(),)
 
+    @torch.no_grad()
     def _draft_fn(
         self, anchors: Tensor, committed: Tensor, sts: Tensor, span: Tensor
     ) -> tuple[Tensor, ...]:
