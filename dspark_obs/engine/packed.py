@@ -28,7 +28,7 @@ from dspark_obs.engine.drafter import Drafter
 from dspark_obs.engine.drafter_layers import drafter_rope
 from dspark_obs.engine.model import Target, apply_rope, rms_norm, rope_cos_sin
 
-__all__ = ["additive_mask", "drafter_extend", "drafter_states", "layer_function", "target_forward"]
+__all__ = ["drafter_extend", "drafter_states", "target_forward"]
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, n_kv: int, group: int) -> Tensor:
@@ -59,6 +59,7 @@ def _layer(
     slot: Tensor,
     pos: Tensor,
     qidx: Tensor,
+    gidx: Tensor,
     keys: Tensor,
     values: Tensor,
     row_slot: Tensor | None,
@@ -73,7 +74,8 @@ def _layer(
 ) -> Tensor:
     """One decoder layer of packed tokens x [N, d] over the pool: norm, fused q/k/v, rotary,
     this forward's K/V into ``keys``/``values`` (the layer's pool planes [slots, kvh, L, hd]),
-    queries scattered to the [B, Q] grid, one attention, output projection and SwiGLU MLP.
+    queries scattered to the [B, Q] grid (``qidx``), one attention, the grid read back per
+    token (``gidx``), output projection and SwiGLU MLP.
 
     Why one function: compiled, it is one fusion region per layer (the rotary embedding, the
     K/V scatter and the grid scatter become one kernel, the output gather feeds the
@@ -99,17 +101,16 @@ def _layer(
     else:
         k_read, v_read = keys[row_slot, :, :span], values[row_slot, :, :span]
     o = _attend(grid[: batch * q].view(batch, q, heads, hd), k_read, v_read, mask, kv_heads, group)
-    gidx = qidx.clamp(max=batch * q - 1)  # padding rows read any cell; they are discarded
     x = x + F.linear(o.reshape(batch * q, -1)[gidx], wo)
     gate, up = F.linear(rms_norm(x, mlp_norm, eps), w_gate_up).chunk(2, dim=-1)
     return x + F.linear(F.silu(gate) * up, w_down)
 
 
 _COMPILED: dict[str, Callable[..., Tensor]] = {}
-_GRAPHS_PER_FUNCTION = 64  # specialisations one compiled function may hold (see layer_function)
+_GRAPHS_PER_FUNCTION = 64  # specialisations one compiled function may hold (see _layer_function)
 
 
-def layer_function(compiled: bool) -> Callable[..., Tensor]:
+def _layer_function(compiled: bool) -> Callable[..., Tensor]:
     """:func:`_layer`, eager or compiled by ``torch.compile`` (one compilation with dynamic
     sizes serves every layer and every graph tier: weights and pool planes are arguments).
 
@@ -125,14 +126,13 @@ def layer_function(compiled: bool) -> Callable[..., Tensor]:
     return _COMPILED["layer"]
 
 
-def additive_mask(visible: Tensor, dtype: torch.dtype) -> Tensor:
+def _additive_mask(visible: Tensor, dtype: torch.dtype) -> Tensor:
     """A boolean attention mask as the additive one attention uses (0 / -inf) in ``dtype``,
     built once per forward: handed a boolean mask, every layer's attention converts it."""
     zero = torch.zeros((), dtype=dtype, device=visible.device)
     return zero.masked_fill(~visible, float("-inf"))
 
 
-@torch.no_grad()  # the packed paths serve; training runs the modules
 def target_forward(
     target: Target,
     kv: Tensor,
@@ -155,14 +155,15 @@ def target_forward(
     group = cfg.num_heads // cfg.num_kv_heads
     x = target.embed(tokens)
     cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, x.dtype)
-    mask = additive_mask(_grid_mask(past, q, span, group), x.dtype)
+    mask = _additive_mask(_grid_mask(past, q, span, group), x.dtype)
+    gidx = qidx.clamp(max=past.shape[0] * q - 1)  # padding rows read any cell; discarded
     wanted = {int(i): j for j, i in enumerate(hidden_layers)}
     captured: list[Tensor | None] = [None] * len(wanted)
-    layer = layer_function(compiled)
+    layer = _layer_function(compiled)
     for li, block in enumerate(target.layers):
         attn, mlp = block.attn, block.mlp
         x = layer(
-            x, cos, sin, mask, slot, pos, qidx, kv[li, 0], kv[li, 1], row_slot,
+            x, cos, sin, mask, slot, pos, qidx, gidx, kv[li, 0], kv[li, 1], row_slot,
             block.attn_norm.weight, attn.wqkv.weight, attn.wo.weight, block.mlp_norm.weight,
             mlp.w_gate_up.weight, mlp.w_down.weight, cfg.num_heads, cfg.rms_norm_eps,
         )  # fmt: skip
