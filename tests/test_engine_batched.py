@@ -359,11 +359,12 @@ def test_bad_tiers_and_backend_are_refused() -> None:
 
 
 def test_compiled_layers_compute_what_the_eager_ones_do(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``compiled=True`` (what CUDA runs: each target layer under ``torch.compile``, one
-    whole graph) against the same runtime eager: the pool writes, the logits and the drafts
-    agree. Traced through dynamo and AOT autograd (``aot_eager``: the graphs, the in-place
-    scatters into the pool planes), not inductor's code generation, which the GPU benches
-    run (here it doubles the test's time; it agreed at 1e-5 when run once)."""
+    """``compiled=True`` (what CUDA runs: each target layer and each drafter layer under
+    ``torch.compile``, one whole graph each) against the same runtime eager: the pool
+    writes, the logits and the drafts agree. Traced through dynamo and AOT autograd
+    (``aot_eager``: the graphs, the in-place scatters into the pool planes), not inductor's
+    code generation, which the GPU benches run (here it doubles the test's time; it agreed
+    at 1e-5 when run once; ``bench/check_compiled.py`` runs inductor on the GPU)."""
     real = torch.compile
     monkeypatch.setattr(torch, "compile", functools.partial(real, backend="aot_eager"))
     monkeypatch.setattr(packed, "_COMPILED", {})

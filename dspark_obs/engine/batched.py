@@ -363,7 +363,13 @@ class BatchedRuntime:
     ) -> tuple[Tensor, ...]:
         assert self.drafter is not None and self.pool.dkv is not None
         h, base = drafter_states(
-            self.drafter, self.pool.dkv, anchors, committed, sts.shape[1], span.shape[0]
+            self.drafter,
+            self.pool.dkv,
+            anchors,
+            committed,
+            sts.shape[1],
+            span.shape[0],
+            self.compiled,
         )
         greedy = torch.zeros(anchors.shape[0], device=anchors.device)
         blk = self.drafter.chain(

@@ -12,6 +12,9 @@ them: :mod:`dspark_obs.engine.batched` owns the pool, the index arrays and the g
 * :func:`drafter_states` runs the drafter's block pass for slots ``0..B-1``: its block K/V
   go into the drafter pool as scratch, so one attention covers context and block.
 
+Under ``compiled`` each target layer (:func:`_layer`) and each drafter layer of the block
+pass (:func:`_draft_layer`) is one ``torch.compile`` function, its pool planes arguments.
+
 Every number comes from the reference modules (norms, projections, rotary tables): only the
 layout differs, and the tests hold both paths to 1e-9 in float64.
 """
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dspark_obs.engine.drafter import Drafter
-from dspark_obs.engine.drafter_layers import drafter_rope
+from dspark_obs.engine.drafter_layers import DraftLayer
 from dspark_obs.engine.model import Target, apply_rope, rms_norm, rope_cos_sin
 
 __all__ = ["drafter_extend", "drafter_states", "target_forward"]
@@ -107,23 +110,26 @@ def _layer(
 
 
 _COMPILED: dict[str, Callable[..., Tensor]] = {}
-_GRAPHS_PER_FUNCTION = 64  # specialisations one compiled function may hold (see _layer_function)
+_GRAPHS_PER_FUNCTION = 64  # specialisations one compiled function may hold (see _maybe_compiled)
 
 
-def _layer_function(compiled: bool) -> Callable[..., Tensor]:
-    """:func:`_layer`, eager or compiled by ``torch.compile`` (one compilation with dynamic
-    sizes serves every layer and every graph tier: weights and pool planes are arguments).
+def _maybe_compiled(fn: Callable[..., Tensor], compiled: bool) -> Callable[..., Tensor]:
+    """``fn`` (a layer function), eager or compiled by ``torch.compile`` (one compilation
+    with dynamic sizes serves every layer and every graph tier: weights and pool planes are
+    arguments, and a drafter layer's module is one too, whose parameters dynamo takes as
+    inputs, so the drafter's layers share one graph).
 
     Dynamic sizes still specialise where a size is 1 (one token, one row, one query per
     row) and where ``row_slot`` is None: a bounded set of graphs, about a dozen across the
     tiers, above dynamo's default limit of 8 recompilations per function, so the limit is
     raised while this function compiles (and only then)."""
     if not compiled:
-        return _layer
-    if "layer" not in _COMPILED:
-        layer = torch.compile(_layer, dynamic=True, fullgraph=True)
-        _COMPILED["layer"] = torch._dynamo.config.patch(recompile_limit=_GRAPHS_PER_FUNCTION)(layer)
-    return _COMPILED["layer"]
+        return fn
+    if fn.__name__ not in _COMPILED:
+        done = torch.compile(fn, dynamic=True, fullgraph=True)
+        limit = torch._dynamo.config.patch(recompile_limit=_GRAPHS_PER_FUNCTION)
+        _COMPILED[fn.__name__] = limit(done)
+    return _COMPILED[fn.__name__]
 
 
 def _additive_mask(visible: Tensor, dtype: torch.dtype) -> Tensor:
@@ -159,7 +165,7 @@ def target_forward(
     gidx = qidx.clamp(max=past.shape[0] * q - 1)  # padding rows read any cell; discarded
     wanted = {int(i): j for j, i in enumerate(hidden_layers)}
     captured: list[Tensor | None] = [None] * len(wanted)
-    layer = _layer_function(compiled)
+    layer = _maybe_compiled(_layer, compiled)
     for li, block in enumerate(target.layers):
         attn, mlp = block.attn, block.mlp
         x = layer(
@@ -182,8 +188,37 @@ def drafter_extend(drafter: Drafter, dkv: Tensor, feats: Tensor, slot: Tensor, p
         dkv[li, 1, slot, :, pos] = v[0].transpose(0, 1)
 
 
+def _draft_layer(
+    layer: DraftLayer, x: Tensor, pos: Tensor, rows: Tensor, mask: Tensor, keys: Tensor,
+    values: Tensor,
+) -> Tensor:
+    """One drafter layer of block states x [B, g, d] at positions pos [B, g]: its block K/V
+    into ``keys``/``values`` (the layer's drafter pool planes) at grid rows ``rows``, one
+    attention over the pool's first ``span`` positions (``mask`` [B, 1, 1, span]), the
+    output projection and the MLP. The planes are arguments for :func:`_layer`'s reason."""
+    cfg = layer.cfg
+    batch, g = pos.shape
+    n_kv, hd = cfg.num_kv_heads, cfg.head_dim
+    span = mask.shape[-1]
+    hn = layer.in_norm(x)
+    qq = layer.queries(hn, pos).transpose(1, 2)  # [B, g, H, hd]
+    k, v = layer.kv(hn, pos)  # [B, kvh, g, hd]
+    flat = pos.reshape(-1)
+    keys[rows, :, flat] = k.transpose(1, 2).reshape(batch * g, n_kv, hd)
+    values[rows, :, flat] = v.transpose(1, 2).reshape(batch * g, n_kv, hd)
+    a = _attend(qq, keys[:batch, :, :span], values[:batch, :, :span], mask, n_kv,
+                cfg.num_heads // n_kv)  # fmt: skip
+    return layer.mlp(x + layer.o_proj(a))
+
+
 def drafter_states(
-    drafter: Drafter, dkv: Tensor, anchors: Tensor, committed: Tensor, gamma: int, span: int
+    drafter: Drafter,
+    dkv: Tensor,
+    anchors: Tensor,
+    committed: Tensor,
+    gamma: int,
+    span: int,
+    compiled: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """The drafter's block pass for slots ``0..B-1``: (h [B, gamma, d], base logits float).
 
@@ -196,27 +231,15 @@ def drafter_states(
     g = cfg.gamma_max
     batch = anchors.shape[0]
     dev = anchors.device
-    n_kv, hd = cfg.num_kv_heads, cfg.head_dim
-    group = cfg.num_heads // n_kv
     pos = committed[:, None] + torch.arange(g, device=dev)  # [B, g]
     kpos = torch.arange(span, device=dev)[None, :]
     c = committed[:, None]
     vis = ((kpos < c) & (kpos >= c - cfg.context_window)) | ((kpos >= c) & (kpos < c + g))
-    mask = vis[:, None, None, :]  # [B, 1, 1, L]: every block query sees the same keys
-    rows = torch.arange(batch, device=dev).repeat_interleave(g)
-    flat_pos = pos.reshape(-1)
     x = drafter._block_input(anchors, g)
+    mask = _additive_mask(vis[:, None, None, :], x.dtype)  # every block query, same keys
+    rows = torch.arange(batch, device=dev).repeat_interleave(g)
+    layer_fn = _maybe_compiled(_draft_layer, compiled)
     for li, layer in enumerate(drafter._draft_layers()):
-        hn = layer.in_norm(x)
-        qq = layer.q_proj(hn).view(batch, g, cfg.num_heads, hd).transpose(1, 2)
-        qq = drafter_rope(qq, pos, cfg.rope_theta).transpose(1, 2)  # [B, g, H, hd]
-        k, v = layer.kv(hn, pos)  # [B, kvh, g, hd]
-        dkv[li, 0, rows, :, flat_pos] = k.transpose(1, 2).reshape(batch * g, n_kv, hd)
-        dkv[li, 1, rows, :, flat_pos] = v.transpose(1, 2).reshape(batch * g, n_kv, hd)
-        a = _attend(qq, dkv[li, 0, :batch, :, :span], dkv[li, 1, :batch, :, :span], mask, n_kv,
-                    group)
-        x = x + layer.o_proj(a)
-        hn = layer.post_norm(x)
-        x = x + layer.down(F.silu(layer.gate(hn)) * layer.up(hn))
+        x = layer_fn(layer, x, pos, rows, mask, dkv[li, 0], dkv[li, 1])
     h = drafter._final_norm(x[:, :gamma])
     return h, drafter.draft_logits(h).float()
