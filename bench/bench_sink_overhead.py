@@ -9,26 +9,29 @@ queue of ``max(--requests, --queue-factor * batch)`` requests in every variant:
                   is the engine's, not the sinks');
 * ``prometheus``: the Prometheus sink (/metrics on 127.0.0.1, scraped every
                   ``--scrape-interval`` s by a thread here);
-* ``store``:      the DuckDB/Parquet store, durable on every write (what ``dspark-obs run``
-                  uses);
+* ``store``:      the DuckDB/Parquet store, durable on every write;
 * ``all``:        store + Prometheus + OpenTelemetry (OTLP/HTTP to a loopback receiver that
                   drops everything, exporting every ``--export-interval`` s);
-* ``store-inline`` (``--inline``): the store written on the decode thread (``FanOut``
-                  without threads), the layout before sinks had their own threads.
+* ``store-inline`` (``--inline``): the store written by whoever calls ``emit`` (``FanOut``
+                  without threads): the engine's record worker thread, no thread of its own;
+* ``all-inline`` (``--inline``): store + Prometheus + OpenTelemetry, all three written on the
+                  record worker's thread (no FanOut thread; the telemetry sinks still fold
+                  on their own fold threads): the layout ``dspark-obs run`` uses.
 
 Sinks get their own threads (``FanOut(threaded=True)``, queues of ``--queue-batches``)
-unless the variant says inline. One untimed warm-up run per batch size precedes ``--reps``
-repetitions; each repetition runs every variant once, in an order that rotates, and divides
-each variant's tokens/s by the ``none`` run of the same repetition; the table reports the
-median ratio (and the median tokens/s). Throughput is committed tokens / the engine run's
-own seconds; the fan-out's close (draining what is still queued) is timed apart, and the
-backpressure counters (producer blocked count and seconds, max queue depth) are reported
-per sink.
+unless the variant says inline; ``--variants`` picks a subset (``none`` always runs). One
+untimed warm-up run per batch size precedes ``--reps`` repetitions; each repetition runs
+every variant once, in an order that rotates, and divides each variant's tokens/s by the
+``none`` run of the same repetition; the table reports the median ratio (and the median
+tokens/s). Throughput is committed tokens / the engine run's own seconds; the fan-out's
+close (draining what is still queued) is timed apart, and the backpressure counters
+(producer blocked count and seconds, max queue depth) are reported per sink.
 
     OMP_NUM_THREADS=1 python bench/bench_sink_overhead.py --device cpu --batch 1 \
         --requests 2 --new-tokens 24 --inline --out runtime/bench/sink_overhead_cpu_b1.json
     python bench/bench_sink_overhead.py --device cuda --batch 1,16,64 --new-tokens 128 \
-        --inline --out runtime/bench/sink_overhead_cuda.json
+        --requests 16 --variants all,all-inline,store --queue-file q.jsonl \
+        --out runtime/bench/sink_overhead_cuda_host2.json
 
 On a loaded CPU (other processes running) torch's OpenMP threads spin against each other:
 ``OMP_NUM_THREADS=1`` keeps one run from taking minutes, and the CPU-time ratios (this
@@ -76,6 +79,7 @@ from dspark_obs.testing.tiny_models import tiny_models
 from dspark_obs.workloads import load_traffic, mixed_traffic
 
 VARIANTS = ("none", "prometheus", "store", "all")
+INLINE = ("store-inline", "all-inline")  # FanOut without threads: sinks on the record worker
 # the --tiny models: a 64-token vocabulary, the drafter config's own Markov rank and window
 TINY = dict(vocab_size=64, max_position=1024, markov_rank=None, context_window=None,
             drafter_name="tiny")  # fmt: skip
@@ -112,9 +116,9 @@ class LiveSinks:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._servers: list[Any] = []
-        if variant in ("store", "all", "store-inline"):
+        if variant in ("store", "all", "store-inline", "all-inline"):
             self.sinks.append(Store(store_dir))
-        if variant in ("prometheus", "all"):
+        if variant in ("prometheus", "all", "all-inline"):
             prom = PrometheusSink()
             server = start_http(prom.registry, 0)
             self._servers.append(server)
@@ -125,7 +129,7 @@ class LiveSinks:
                     urllib.request.urlopen(f"{server.url}/metrics", timeout=5).read()
 
             self._threads.append(threading.Thread(target=scrape, daemon=True))
-            if variant == "all":
+            if variant in ("all", "all-inline"):
                 self.sinks.append(
                     OtelSink(otlp_url, aggregator=prom.aggregator,
                              export_interval_s=args.export_interval)
@@ -141,13 +145,25 @@ class LiveSinks:
             s.close()
 
 
+def variant_list(text: str | None, inline: bool) -> list[str]:
+    """The variants a run compares, ``none`` (the baseline every ratio divides by) first."""
+    if text is None:
+        return list(VARIANTS) + (list(INLINE) if inline else [])
+    wanted = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = [v for v in wanted if v not in VARIANTS + INLINE]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {', '.join(unknown)}; "
+                         f"choose from {', '.join(VARIANTS + INLINE)}")
+    return ["none"] + [v for v in dict.fromkeys(wanted) if v != "none"]
+
+
 def one_run(
     engine: Engine, reqs: list[GenRequest], variant: str, tmp: Path, otlp_url: str, tag: str,
     args: Any,
 ) -> dict[str, Any]:  # fmt: skip
     store_dir = tmp / tag
     live = LiveSinks(variant, store_dir, otlp_url, args)
-    threaded = variant != "store-inline"
+    threaded = variant not in INLINE
     fan = FanOut(live.sinks, threaded=threaded, queue_batches=args.queue_batches)
     c0, p0 = time.thread_time(), time.process_time()
     res = engine.run(reqs, fan.emit, tag)
@@ -181,7 +197,7 @@ def bench_batch(models: Models, bs: int, args: Any, tmp: Path, otlp_url: str) ->
     engine = Engine(models.target, models.drafter, config, models.stop_ids)
     n = max(args.requests, args.queue_factor * bs)
     reqs = requests_for(models, n, args.new_tokens, args.tiny, args.queue_file)
-    variants = list(VARIANTS) + (["store-inline"] if args.inline else [])
+    variants = args.variant_list
     print(f"batch {bs}: {len(reqs)} requests, warm-up", file=sys.stderr)
     one_run(engine, reqs, "all", tmp, otlp_url, f"warm-{bs}", args)
     reps: list[dict[str, dict[str, Any]]] = []
@@ -256,7 +272,11 @@ def main() -> None:
     ap.add_argument("--queue-batches", type=int, default=16, help="queue bound per sink")
     ap.add_argument("--scrape-interval", type=float, default=15.0)
     ap.add_argument("--export-interval", type=float, default=10.0)
-    ap.add_argument("--inline", action="store_true", help="also run the store on the decode thread")
+    ap.add_argument("--inline", action="store_true",
+                    help="also run the inline variants (sinks on the record worker's thread)")
+    ap.add_argument("--variants", default=None,
+                    help=f"comma list from {', '.join(VARIANTS + INLINE)} (default: the first "
+                    "four, plus the inline ones with --inline); none is always run")
     ap.add_argument("--tiny", action="store_true", help="a tiny random model (smoke run)")
     ap.add_argument(
         "--switch-interval", type=float, default=None,
@@ -267,6 +287,7 @@ def main() -> None:
     ap.add_argument("--drafter", default=None, help="drafter checkpoint (default: the shipped one)")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (a .md goes beside it)")
     args = ap.parse_args()
+    args.variant_list = variant_list(args.variants, args.inline)
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
 

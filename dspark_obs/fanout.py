@@ -3,13 +3,18 @@
 Producers (the embedded engine, the SGLang collector) never import a concrete sink; sinks
 (the store, Prometheus, OpenTelemetry) never import a producer. ``FanOut`` joins them.
 
-``FanOut(sinks, threaded=True)`` gives every sink its own thread fed by a bounded queue
-(:class:`Lane`), so a producer's ``emit`` costs the validation and a queue put, never a
-sink's write (a store's fsync, an exporter). A full queue makes the producer wait: that
+``FanOut(sinks)`` writes every sink on the thread that calls ``emit``: the engine calls it
+from its record worker, already off the decode thread behind a bounded queue, so no sink
+needs a thread of its own there (on the H200 a thread per sink cost 2-6.5% of throughput,
+the same sinks on the record worker's thread 0.0-0.7%: README, "Records and sinks off the
+decode thread"). ``FanOut(sinks, threaded=True)`` gives every sink its own thread fed by a
+bounded queue (:class:`Lane`), for a producer that must not wait for a sink's write (a
+store's fsync, an exporter) on its own thread. A full queue makes the producer wait: that
 backpressure is counted and timed per sink (:class:`LaneStats`, :meth:`FanOut.summary`),
-never answered by dropping a batch. What a sink acknowledged is what its ``write`` returned
-from; :meth:`FanOut.drain` returns once every batch emitted so far was, so a caller that
-needs "durable now" (a crash must lose nothing acknowledged) drains first.
+never answered by dropping a batch. Inline, each sink's batches and write time are counted
+the same way (its queue capacity reads 0). What a sink acknowledged is what its ``write``
+returned from; :meth:`FanOut.drain` returns once every batch emitted so far was, so a
+caller that needs "durable now" (a crash must lose nothing acknowledged) drains first.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class LaneStats:
 
     ``blocked_seconds`` is producer time spent waiting on a full queue (backpressure), on the
     lane's clock; ``work_seconds`` is time spent in the consumer's calls on its own thread.
+    ``capacity`` 0: no queue, the sink written inline by the producer (never blocked).
     """
 
     name: str
@@ -65,6 +71,12 @@ class LaneStats:
     work_seconds: float = 0.0
 
     def line(self) -> str:
+        if not self.capacity:
+            return (
+                f"{self.name}: {self.done}/{self.enqueued} batches ({self.rows} rows), written "
+                f"on the producer's thread, busy {self.work_seconds:.3f} s"
+                + (f", {self.failed} failed" if self.failed else "")
+            )
         return (
             f"{self.name}: {self.done}/{self.enqueued} batches ({self.rows} rows), max queue "
             f"{self.max_depth}/{self.capacity}, producer blocked {self.blocked}x "
@@ -193,9 +205,11 @@ class FanOut:
     """Validate once, then hand the same valid batch to every sink.
 
     Rejected rows are kept in ``errors`` (and never reach a sink); valid rows of the same
-    batch are written. ``threaded=True``: each sink writes on its own thread from a queue of
-    ``queue_batches`` batches (see the module docstring); a sink's failure is raised as
-    :class:`SinkError` from the next :meth:`emit`, :meth:`drain` or :meth:`close`.
+    batch are written. Inline (the default) a sink's failure is raised from that ``emit``
+    (the sinks after it do not get the batch). ``threaded=True``: each sink writes on its own
+    thread from a queue of ``queue_batches`` batches (see the module docstring); a sink's
+    failure is raised as :class:`SinkError` from the next :meth:`emit`, :meth:`drain` or
+    :meth:`close`. ``clock`` times waits and writes (injectable: tests count).
     """
 
     def __init__(
@@ -209,15 +223,23 @@ class FanOut:
         self.sinks = list(sinks)
         self.errors: list[RecordError] = []
         self.threaded = threaded
+        self._clock = clock
         self._lanes: list[Lane] = []
+        names: list[str] = []
+        for sink in self.sinks:
+            names.append(sink_name(sink, names))
         if threaded:
-            names: list[str] = []
-            for sink in self.sinks:
-                names.append(sink_name(sink, names))
-                self._lanes.append(Lane(names[-1], _deliver(sink), queue_batches, clock))
+            self._lanes = [
+                Lane(name, _deliver(sink), queue_batches, clock)
+                for name, sink in zip(names, self.sinks, strict=True)
+            ]
+        self._inline = [] if threaded else [LaneStats(name, 0) for name in names]
+        self._stopped = False  # joined or closed: emits are refused
         self._closed = False
 
     def emit(self, table: str, rows: Sequence[Mapping[str, Any]] | pa.Table) -> pa.Table:
+        if self._stopped:
+            raise SinkError("the fan-out was joined or closed: it takes no more records")
         self._raise_failed()
         checked, errors = check(table, rows)
         batch = checked.data
@@ -234,29 +256,44 @@ class FanOut:
                 for sink, lane in zip(self.sinks, self._lanes, strict=True):
                     lane.put(table, _payload(sink, checked), rows=batch.num_rows)
             else:
-                for sink in self.sinks:
-                    sink.write(table, _payload(sink, checked))
+                for i, sink in enumerate(self.sinks):
+                    self._write_inline(i, sink, table, checked)
         return batch
+
+    def _write_inline(self, i: int, sink: RecordSink, table: str, checked: ValidatedBatch) -> None:
+        t0 = self._clock()
+        ok = False
+        try:
+            sink.write(table, _payload(sink, checked))
+            ok = True
+        finally:
+            s = self._inline[i]
+            self._inline[i] = replace(
+                s, enqueued=s.enqueued + 1, rows=s.rows + checked.data.num_rows,
+                done=s.done + ok, failed=s.failed + (not ok),
+                work_seconds=s.work_seconds + (self._clock() - t0),
+            )  # fmt: skip
 
     def drain(self) -> list[LaneStats]:
         """Wait until every sink has written everything emitted so far (acknowledged), then
-        return the queues' counters. A no-op (empty list) when not threaded."""
+        return the sinks' counters (inline: nothing to wait for)."""
         for lane in self._lanes:
             lane.drain()
         self._raise_failed()
         return self.stats()
 
     def stats(self) -> list[LaneStats]:
-        """Per sink queue counters (threaded), in sink order; empty when not threaded."""
-        return [lane.stats for lane in self._lanes]
+        """Per sink counters in sink order: its queue's (threaded) or its inline writes'."""
+        return [lane.stats for lane in self._lanes] if self._lanes else list(self._inline)
 
     def summary(self) -> str:
-        """The backpressure report of a run, one line per sink ("" when not threaded)."""
+        """The backpressure report of a run, one line per sink ("" without sinks)."""
         return "\n".join(s.line() for s in self.stats())
 
     def join(self) -> list[LaneStats]:
         """Drain every queue and stop the sink threads, leaving the sinks open (for a caller
         that owns and closes them itself); later emits are refused. Returns the counters."""
+        self._stopped = True
         for lane in self._lanes:
             lane.close()
         self._raise_failed()
@@ -267,7 +304,7 @@ class FanOut:
         A sink's failure is raised after every sink was closed. Idempotent."""
         if self._closed:
             return
-        self._closed = True
+        self._closed = self._stopped = True
         try:
             for lane in self._lanes:
                 lane.close()

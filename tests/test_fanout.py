@@ -215,12 +215,38 @@ def test_join_stops_the_threads_and_leaves_the_sinks_open_for_their_owner() -> N
         fan.emit("steps", _steps(3))
 
 
-def test_unthreaded_fanout_writes_inline_and_reports_nothing() -> None:
-    sink = MemorySink()
-    fan = FanOut([sink])
+def test_unthreaded_fanout_writes_inline_and_counts_each_sinks_writes() -> None:
+    ticks = iter(range(100))
+    sink, other = MemorySink(), MemorySink()
+    fan = FanOut([sink, other], clock=lambda: float(next(ticks)))  # one tick per call
     fan.emit("steps", _steps(0))
     assert _forward_cts(sink) == [0, 1, 2]  # written before emit returned
-    assert fan.drain() == [] and fan.summary() == ""
+    fan.emit("steps", _steps(1))
+    stats = fan.drain()
+    assert [(s.name, s.enqueued, s.done, s.rows, s.capacity, s.blocked) for s in stats] == [
+        ("MemorySink", 2, 2, 6, 0, 0),
+        ("MemorySink-2", 2, 2, 6, 0, 0),
+    ]
+    assert [s.work_seconds for s in stats] == [2.0, 2.0]  # each write took one tick
+    assert "written on the producer's thread" in fan.summary()
+    assert fan.join() == stats and len(other.batches["steps"]) == 2 and not fan.errors
+    with pytest.raises(SinkError, match="joined or closed"):
+        fan.emit("steps", _steps(2))
+
+
+def test_an_inline_sink_that_fails_raises_its_error_and_is_counted() -> None:
+    class Broken(MemorySink):
+        def write(self, table: str, batch: pa.Table) -> None:
+            raise OSError("disk full")
+
+    after = MemorySink()
+    fan = FanOut([Broken(), after])
+    with pytest.raises(OSError, match="disk full"):
+        fan.emit("steps", _steps(0))
+    broken, later = fan.stats()
+    assert (broken.enqueued, broken.done, broken.failed) == (1, 0, 1)
+    assert later.enqueued == 0 and not after.batches  # a failed emit stops at the failing sink
+    assert "1 failed" in fan.summary()
 
 
 def test_fold_worker_queue_is_bounded_and_its_backpressure_counted() -> None:
