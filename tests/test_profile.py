@@ -303,6 +303,7 @@ def smollm2() -> Path:
 
 def test_cli_profile_writes_both_tables_and_the_report(smollm2: Path, tmp_path: Path) -> None:
     args = ["profile", "--batch-sizes", "1,2", "--fractions", "0,1", "--new-tokens", "6"]
+    args += ["--draft-vocab", "4096"]  # timed as bench_throughput.py --draft-vocab drafts
     res = CliRunner().invoke(app, [*args, "--out-dir", str(tmp_path), "--name", "t", "--seed", "1"])
     assert res.exit_code == 0, res.output
     additive = CostTable.load(tmp_path / "t.json")
@@ -313,6 +314,7 @@ def test_cli_profile_writes_both_tables_and_the_report(smollm2: Path, tmp_path: 
     assert report["device"] == "cpu" and report["torch"] == torch.__version__
     assert report["tables"] == {"additive": "t.json", "steps_per_sec": "t_1d.json"}
     assert "--batch-sizes 1,2 --fractions 0.0,1.0 --new-tokens 6" in report["command"]
+    assert "--draft-vocab 4096" in report["command"] and report["draft_vocab"] == 4096
     assert report["seed"] == 1 and len(report["held_out_cells"]) == 1
     assert len(report["cells"]) == 4 and len(report["samples"]) >= 4
     assert set(report["metrics"]) == {"additive", "steps_per_sec"}
@@ -344,6 +346,7 @@ def test_cli_profile_writes_both_tables_and_the_report(smollm2: Path, tmp_path: 
         (["--batch-sizes", "0,2"], "distinct ints >= 1"),
         (["--new-tokens", "1"], "--new-tokens must be >= 2"),
         (["--holdout", "1"], "--holdout must be in [0, 1)"),
+        (["--draft-vocab", "-1"], "--draft-vocab must be >= 0"),
     ],
 )
 def test_cli_profile_refuses_bad_options_before_loading(

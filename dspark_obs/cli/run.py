@@ -269,6 +269,13 @@ def profile_command(
         Path | None,
         typer.Option(help="Prompts from this workload file (JSONL) instead of the chat pool."),
     ] = None,
+    draft_vocab: Annotated[
+        int,
+        typer.Option(
+            help="Time the drafter drafting from the top-N training tokens only (what "
+            "bench_throughput.py --draft-vocab runs; 0: the whole vocabulary)."
+        ),
+    ] = 0,
 ) -> None:
     """Measure compact step time over batch sizes x pinned budgets; fit SGLang's two tables.
 
@@ -306,6 +313,8 @@ def profile_command(
             raise ValueError("--new-tokens must be >= 2 (each cell's first step is dropped)")
         if not 0.0 <= holdout < 1.0:
             raise ValueError(f"--holdout must be in [0, 1), got {holdout}")
+        if draft_vocab < 0:
+            raise ValueError(f"--draft-vocab must be >= 0, got {draft_vocab}")
         stem = name or ("smollm2_h200" if cuda else f"smollm2_{device}")
         if cuda and not torch.cuda.is_available():
             raise ValueError(f"--device {device}: this torch ({torch.__version__}) sees no GPU")
@@ -319,6 +328,12 @@ def profile_command(
             )
             model, drafter_name = Drafter(DrafterConfig.for_target(target), target), "random"
         model = model.to(device=device, dtype=target.dtype).eval()
+        if draft_vocab:
+            from dspark_obs.engine.draft_vocab import draft_vocab as top_ids
+            from dspark_obs.engine.draft_vocab import load_ranking
+            from dspark_obs.engine.weights import stop_token_ids
+
+            model.set_draft_vocab(top_ids(load_ranking(), draft_vocab, stop_token_ids(tok)))
         if queue_file is not None:
             from dspark_obs.workloads.traffic import load_traffic
 
@@ -348,6 +363,7 @@ def profile_command(
             "--new-tokens", str(new_tokens), "--gamma", str(gamma), "--drafter", str(path),
             "--out-dir", str(out_dir), "--name", stem, "--holdout", str(holdout),
             "--seed", str(seed),
+            *(["--draft-vocab", str(draft_vocab)] if draft_vocab else []),
         ]  # fmt: skip
         meta = {
             "name": stem,
@@ -362,6 +378,7 @@ def profile_command(
             "new_tokens": new_tokens,
             "batch_sizes": sizes,
             "fractions": fracs,
+            "draft_vocab": draft_vocab or None,
         }
         paths = save_profile(report, out_dir, stem, meta)
     except (EngineError, CostTableError, ValueError) as exc:
