@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspark_obs.engine.batched import BatchedRuntime
 from dspark_obs.engine.drafter import Drafter
 from dspark_obs.engine.drafter_config import DrafterConfig
 from dspark_obs.engine.loop import Engine
@@ -39,6 +38,7 @@ from dspark_obs.engine.no_spec import run_no_spec
 from dspark_obs.engine.session import load_cost_table
 from dspark_obs.engine.types import EngineConfig, GenRequest
 from dspark_obs.fanout import FanOut, MemorySink
+from dspark_obs.testing.compiled_check import eager_and_compiled
 
 VOCAB = 8  # a small vocabulary, so random drafts are sometimes accepted
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -63,28 +63,18 @@ def pool_check(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     target, drafter = random_models(device, dtype, 3)
     prompts = [[1, 2, 3, 4, 5] * 9, [6, 7] * 30, [1, 1, 2, 3, 5, 0, 7] * 5]
     steps = [[[1, 2], [3], [4, 5, 6]], [[7], [0, 1, 2], [3]]]
-    out = {}
-    for compiled in (False, True):
-        rt = BatchedRuntime(target, drafter, max_batch=4, max_len=256, gamma=5, cuda_graphs=False)
-        slots = [rt.acquire() for _ in prompts]
-        rt.prefill(slots, prompts)
-        for s in slots:
-            rt.set_anchor(s, s + 1)
-        rt.compiled = compiled
-        logits = [rt.forward(slots, tokens).logits.float() for tokens in steps]
-        block = rt.draft([0.0] * len(slots), sts=np.ones((len(slots), 5)))
-        out[compiled] = (logits, block, rt.pool.kv.float(), rt.pool.dkv.float())
-    (la, ba, kva, dkva), (lb, bb, kvb, dkvb) = out[False], out[True]
+    runs = eager_and_compiled(target, drafter, prompts, steps, gamma=5, max_len=256)
+    eager, comp = runs[False], runs[True]
 
     def diff(a: torch.Tensor, b: torch.Tensor) -> float:
-        return float((a - b).abs().max())
+        return float((a.float() - b.float()).abs().max())
 
     return {
-        "logits": max(diff(a, b) for a, b in zip(la, lb, strict=True)),
-        "target_pool": diff(kva, kvb),
-        "drafter_pool": diff(dkva, dkvb),
-        "confidence": diff(ba.confidence.float(), bb.confidence.float()),
-        "draft_tokens_equal": bool(torch.equal(ba.tokens, bb.tokens)),
+        "logits": max(diff(a, b) for a, b in zip(eager.logits, comp.logits, strict=True)),
+        "target_pool": diff(eager.kv, comp.kv),
+        "drafter_pool": diff(eager.dkv, comp.dkv),
+        "confidence": diff(eager.block.confidence, comp.block.confidence),
+        "draft_tokens_equal": bool(torch.equal(eager.block.tokens, comp.block.tokens)),
     }
 
 

@@ -22,6 +22,7 @@ from dspark_obs.engine.runtime import Runtime
 from dspark_obs.engine.slots import Pack, prefill_plan, tier_of
 from dspark_obs.engine.types import EngineConfig, EngineError, GenRequest
 from dspark_obs.fanout import FanOut, MemorySink
+from dspark_obs.testing.compiled_check import eager_and_compiled
 from dspark_obs.testing.tiny_models import tiny_pair
 
 VOCAB = 8
@@ -371,21 +372,11 @@ def test_compiled_layers_compute_what_the_eager_ones_do(monkeypatch: pytest.Monk
     target, drafter = _models(3)
     prompts = [[1, 2, 3, 4, 5], [6, 7], [1, 1, 2, 3, 5, 0, 7]]
     steps = [[[1, 2], [3], [4, 5, 6]], [[7], [0, 1, 2], [3]]]
-    out = {}
-    for compiled in (False, True):
-        rt = BatchedRuntime(target, drafter, max_batch=4, max_len=64, gamma=3)
-        slots = [rt.acquire() for _ in prompts]
-        rt.prefill(slots, prompts)
-        for s in slots:
-            rt.set_anchor(s, s + 1)
-        rt.compiled = compiled
-        logits = [rt.forward(slots, tokens).logits.clone() for tokens in steps]
-        block = rt.draft([0.0] * len(slots), sts=np.ones((len(slots), 3)))
-        out[compiled] = (logits, block, rt.pool.kv.clone(), rt.pool.dkv.clone())
-    (la, ba, kva, dkva), (lb, bb, kvb, dkvb) = out[False], out[True]
-    for a, b in zip(la, lb, strict=True):
+    runs = eager_and_compiled(target, drafter, prompts, steps, gamma=3, max_len=64)
+    eager, comp = runs[False], runs[True]
+    for a, b in zip(eager.logits, comp.logits, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(kvb, kva, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(dkvb, dkva, rtol=1e-5, atol=1e-5)
-    assert torch.equal(bb.tokens, ba.tokens)
-    torch.testing.assert_close(bb.confidence, ba.confidence, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(comp.kv, eager.kv, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(comp.dkv, eager.dkv, rtol=1e-5, atol=1e-5)
+    assert torch.equal(comp.block.tokens, eager.block.tokens)
+    torch.testing.assert_close(comp.block.confidence, eager.block.confidence, rtol=1e-5, atol=1e-5)

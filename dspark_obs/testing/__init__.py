@@ -4,7 +4,9 @@
   run, its cap-accept companion and the truth, as schema tables (numpy/pandas);
 * :mod:`.sample_store` - a store of synthetic runs for the dashboards' tests, screenshots and
   query benchmark;
-* :mod:`.tiny_models` - tiny random targets and drafters of the real architecture (torch).
+* :mod:`.tiny_models` - tiny random targets and drafters of the real architecture (torch);
+* :mod:`.compiled_check` - one batched runtime run eager and compiled on the same inputs
+  (``tests/test_engine_batched.py``, ``bench/check_compiled.py``);
 * :mod:`.otlp_drop` - a loopback OTLP/HTTP endpoint that drops everything (sink benchmarks);
 * :mod:`.throughput_bench` - the engine throughput benchmark's queue, statistics, tables and
   plots (``bench/bench_throughput.py``, ``bench/bench_cpu_drafting.py``).
