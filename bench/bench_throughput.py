@@ -331,10 +331,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"loading SmolLM2 + drafter on {device} ({dtype})")
     models = load_models(args.drafter, device=args.device, dtype=dtype)
     if args.draft_vocab:
-        from dspark_obs.engine.draft_vocab import draft_vocab, load_ranking
+        from dspark_obs.engine.draft_vocab import shipped_draft_vocab
 
-        models.drafter.set_draft_vocab(
-            draft_vocab(load_ranking(), args.draft_vocab, models.stop_ids))
+        models.drafter.set_draft_vocab(shipped_draft_vocab(args.draft_vocab, models.stop_ids))
         log(f"drafting from {int(models.drafter.draft_vocab.numel())} token ids")
     table = load_cost_table(args.cost_table, args.device)
     table_name = args.cost_table or (

@@ -329,11 +329,10 @@ def profile_command(
             model, drafter_name = Drafter(DrafterConfig.for_target(target), target), "random"
         model = model.to(device=device, dtype=target.dtype).eval()
         if draft_vocab:
-            from dspark_obs.engine.draft_vocab import draft_vocab as top_ids
-            from dspark_obs.engine.draft_vocab import load_ranking
+            from dspark_obs.engine.draft_vocab import shipped_draft_vocab
             from dspark_obs.engine.weights import stop_token_ids
 
-            model.set_draft_vocab(top_ids(load_ranking(), draft_vocab, stop_token_ids(tok)))
+            model.set_draft_vocab(shipped_draft_vocab(draft_vocab, stop_token_ids(tok)))
         if queue_file is not None:
             from dspark_obs.workloads.traffic import load_traffic
 

@@ -32,6 +32,11 @@ def draft_vocab(ranking: Sequence[int], n: int, always: Iterable[int] = ()) -> l
     return sorted({*map(int, ranking[:n]), *map(int, always)})
 
 
+def shipped_draft_vocab(n: int, always: Iterable[int] = ()) -> list[int]:
+    """:func:`draft_vocab` of the shipped ranking: what ``--draft-vocab N`` drafts from."""
+    return draft_vocab(load_ranking(), n, always)
+
+
 def save_ranking(path: str | Path, ranking: Sequence[int], source: str) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
