@@ -6,7 +6,9 @@ batch size serves a representative queue: ``max(--prompts, --queue-factor * batc
 eval-split prompts rounded up to equal math / chat / poetry shares, all arriving at step 0,
 at concurrency ``batch`` (the engine keeps ``batch`` requests running and admits the next
 one as one finishes). Every variant serves the same queue. Per batch size, one untimed
-warm-up run per variant (CUDA graph capture, the allocator, caches) precedes ``--reps``
+warm-up run per variant over the whole queue (CUDA graph capture, compiled shapes, the
+allocator, caches; a shorter warm-up left the first repetition compiling the shapes of the
+queue's tail, which inflated ratios taken in it) precedes ``--reps``
 timed repetitions; the variants are interleaved inside each repetition (the order rotates
 from one repetition to the next), medians are reported, and ratios between variants are
 taken within each repetition before the median.
@@ -221,9 +223,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="HF transformers generate at batch 1 (default on)")
     ap.add_argument("--hf-reps", type=int, default=1,
                     help="timed repetitions of the (slow, eager) HF reference")
-    ap.add_argument("--warmup-factor", type=float, default=2.0,
+    ap.add_argument("--warmup-factor", type=float, default=None,
                     help="warm-up run per variant and batch size over the first "
-                         "min(queue, factor * batch) requests; 0 disables")
+                         "min(queue, factor * batch) requests (default: the whole queue, so "
+                         "the first timed repetition meets no graph or compiled shape the "
+                         "warm-up did not: a queue's tail runs at small batch tiers); 0 "
+                         "disables")
     ap.add_argument("--cost-table", default=None,
                     help="cost table for compact (default: load_cost_table(None, device))")
     ap.add_argument("--backend", choices=("batched", "reference"), default="batched",
@@ -372,8 +377,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         vs = variants + (["hf"] if hf is not None and bs == 1 else [])
         log(f"== batch {bs}: {len(reqs)} requests x {args.new_tokens} new tokens, "
             f"variants {', '.join(vs)}")
-        if args.warmup_factor > 0:
-            n_w = min(len(reqs), max(1, int(round(args.warmup_factor * bs))))
+        if args.warmup_factor is None or args.warmup_factor > 0:
+            factor = args.warmup_factor
+            n_w = len(reqs) if factor is None else min(len(reqs), max(1, round(factor * bs)))
             for v in list(vs):
                 try:
                     w = run_one(v, reqs[: (1 if v == "hf" else n_w)], bs)

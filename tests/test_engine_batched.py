@@ -359,6 +359,33 @@ def test_bad_tiers_and_backend_are_refused() -> None:
         EngineConfig(token_tiers=(0, 4))
 
 
+def test_layers_compile_with_inductors_disk_caches_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiled layer loaded from inductor's on-disk cache, written by a process with
+    another pool length, stopped on a size assertion on an H200: the runtime's functions
+    compile with those caches off (and the raised recompile limit), and only while they
+    compile."""
+    import torch._inductor.config as inductor
+
+    seen = []
+
+    def backend(gm, example_inputs):  # type: ignore[no-untyped-def]
+        seen.append((inductor.force_disable_caches, torch._dynamo.config.recompile_limit))
+        return gm.forward
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=backend))
+    monkeypatch.setattr(packed, "_COMPILED", {})
+    target, drafter = _models(3)
+    rt = BatchedRuntime(target, drafter, max_batch=2, max_len=64, gamma=3, cuda_graphs=False,
+                        compiled=True)  # fmt: skip
+    slot = rt.acquire()
+    rt.prefill([slot], [[1, 2, 3]])
+    rt.set_anchor(slot, 4)
+    rt.draft([0.0])
+    assert len(seen) >= 4  # the target layer, the context write, a drafter layer, the chain
+    assert set(seen) == {(True, packed._GRAPHS_PER_FUNCTION)}
+    assert not inductor.force_disable_caches
+
+
 def test_compiled_layers_compute_what_the_eager_ones_do(monkeypatch: pytest.MonkeyPatch) -> None:
     """``compiled=True`` (what CUDA runs: each target layer and each drafter layer under
     ``torch.compile``, one whole graph each) against the same runtime eager: the pool

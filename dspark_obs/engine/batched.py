@@ -52,7 +52,7 @@ from dspark_obs.engine.block_verify import (
 )
 from dspark_obs.engine.drafter import DraftBlock, Drafter
 from dspark_obs.engine.model import Target
-from dspark_obs.engine.packed import drafter_extend, drafter_states, target_forward
+from dspark_obs.engine.packed import draft_block, drafter_extend, target_forward
 from dspark_obs.engine.slots import (
     BATCH_TIERS,
     LENGTH_TIERS,
@@ -344,7 +344,7 @@ class BatchedRuntime:
             row_slot,
         )
         if self.drafter is not None and self.pool.dkv is not None:
-            drafter_extend(self.drafter, self.pool.dkv, feats, slot, pos)
+            drafter_extend(self.drafter, self.pool.dkv, feats, slot, pos, self.compiled)
         return normed
 
     def _verify_fn(self, **inputs: Tensor) -> tuple[Tensor, Tensor]:
@@ -361,21 +361,12 @@ class BatchedRuntime:
     def _draft_fn(
         self, anchors: Tensor, committed: Tensor, sts: Tensor, span: Tensor
     ) -> tuple[Tensor, ...]:
+        """The block pass and a greedy chain for every row: drafts, log q, confidence logits,
+        confidences, h and the base logits (:func:`draft_block`)."""
         assert self.drafter is not None and self.pool.dkv is not None
-        h, base = drafter_states(
-            self.drafter,
-            self.pool.dkv,
-            anchors,
-            committed,
-            sts.shape[1],
-            span.shape[0],
-            self.compiled,
+        return draft_block(
+            self.drafter, self.pool.dkv, anchors, committed, sts, span.shape[0], self.compiled
         )
-        greedy = torch.zeros(anchors.shape[0], device=anchors.device)
-        blk = self.drafter.chain(
-            h, base, anchors, greedy, sts=sts, all_greedy=True, with_probs=False
-        )
-        return blk.tokens, blk.logprobs, blk.conf_logits, blk.confidence, h, base
 
     def _span(self, end: int) -> int:
         if self.graphs_on:
@@ -460,8 +451,9 @@ class BatchedRuntime:
         and the drafts (see :mod:`~dspark_obs.engine.block_verify`), and the acceptance
         (windows cut at survival ``floor``) advances the device lengths and anchors, so the
         next draft can launch before the host reads this one. The host commits each row with
-        ``commit(..., on_device=True)``. The target runs :meth:`_verify_fn`, as in
-        :meth:`forward`, so the numbers are the same too."""
+        ``commit(..., on_device=True)``. The target runs the forward :meth:`forward` runs,
+        so the numbers are the same too; its logits stay in the model's dtype (the argmax of
+        the same values; :meth:`BlockVerified.rows` reads them in float32)."""
         batch, gamma = block.tokens.shape
         q, n = gamma + 1, batch * gamma + batch
         self._flush()
@@ -522,10 +514,11 @@ class BatchedRuntime:
         tokens = torch.cat([anchors[:, None], drafts], dim=1).reshape(-1)
         pos = (start[:, None] + torch.arange(nq, device=start.device)).reshape(-1)
         tokens, pos = _fit(tokens, nt), _fit(pos, nt)
-        logits, argmax = self._verify_fn(
+        states = self._states(
             tokens=tokens, slot=slot, pos=pos, qidx=qidx, past=start, q=q, span=span
         )
-        pred = _fit(argmax, bt * nq).view(bt, nq)
+        logits = self.target.lm_head(states)  # the model's dtype: rows are upcast where read
+        pred = _fit(logits.argmax(-1), bt * nq).view(bt, nq)
         survival = survival_of(conf)
         keep, bonus = accept_on_device(drafts, pred, survival, floor)
         summary = block_summary(drafts, conf, logprobs, survival, pred, keep)
@@ -612,7 +605,7 @@ class BatchedRuntime:
         out = self._run("draft", (bt, self.gamma, span), self._draft_fn, inputs)
         tokens, lps, z, conf, h, base = (o[:batch] for o in out)
         sampled = [i for i in range(batch) if t[i] > 0]
-        probs = base.new_zeros(0)
+        probs = torch.zeros(0, device=self.device)
         if sampled:
             idx = torch.tensor(sampled, device=self.device)
             gens = [generators[i] if generators else None for i in sampled]
@@ -632,7 +625,7 @@ class BatchedRuntime:
                 sub.conf_logits,
                 sub.confidence,
             )
-            probs = base.new_zeros(batch, self.gamma, sub.probs.shape[-1])  # whole vocabulary
+            probs = sub.probs.new_zeros(batch, self.gamma, sub.probs.shape[-1])  # whole vocabulary
             probs[idx] = sub.probs
         return DraftBlock(tokens, lps, probs, z, conf)
 

@@ -95,10 +95,11 @@ def block_summary(
 class BlockVerified:
     """One whole-block verify, launched (nothing read back yet).
 
-    ``logits``: per request its ``gamma + 1`` float rows (a ``[B, gamma + 1, V]`` device
-    tensor, valid until the runtime's next verify unless :meth:`keep_logits` copied it, or a
-    list). ``summary``: see :func:`block_summary`; ``copy``: its host copy, when the runtime
-    started it asynchronously (``ready`` is then the event it is complete at)."""
+    ``logits``: per request its ``gamma + 1`` rows (a ``[B, gamma + 1, V]`` device tensor in
+    the model's dtype, valid until the runtime's next verify unless :meth:`keep_logits` copied
+    it, or a list); :meth:`rows` reads them in float32. ``summary``: see
+    :func:`block_summary`; ``copy``: its host copy, when the runtime started it
+    asynchronously (``ready`` is then the event it is complete at)."""
 
     logits: Tensor | Sequence[Tensor]
     summary: Tensor
@@ -136,8 +137,9 @@ class BlockVerified:
 
 
 class LogitRows(Sequence[Tensor]):
-    """``logits[index[i]][: send[i]]`` for each request, sliced only when a row is read (most
-    steps read none: only requests with censored blocks, or penalties, need their rows)."""
+    """``logits[index[i]][: send[i]]`` for each request in float32, sliced (and upcast) only
+    when a row is read (most steps read none: only requests with censored blocks, or
+    penalties, need their rows)."""
 
     def __init__(
         self, logits: Tensor | Sequence[Tensor], send: np.ndarray, index: np.ndarray | None
@@ -152,4 +154,4 @@ class LogitRows(Sequence[Tensor]):
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        return self._logits[int(self._index[i])][: int(self._send[i])]
+        return self._logits[int(self._index[i])][: int(self._send[i])].float()

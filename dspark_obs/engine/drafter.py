@@ -58,7 +58,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +74,42 @@ CONFIG_FILE = "config.json"
 STS_FILE = "sts.json"
 STS_GREEDY_FILE = "sts_greedy.json"
 STS_REGIMES = ("all", "sample", "greedy")
+
+
+class ChainWeights(NamedTuple):
+    """The tensors a greedy chain reads (:meth:`Drafter.greedy_chain_weights`)."""
+
+    head: Tensor  # the draft head's rows [V', d] (V' = the draft vocabulary's size, or V)
+    markov_u: Tensor  # U [V, r]: indexed by the previous token's id
+    markov_v: Tensor  # V [V', r]: the draft vocabulary's rows
+    ids: Tensor | None  # the draft vocabulary's ids (None: the whole vocabulary)
+    conf_weight: Tensor  # [1, d + r]: the confidence head greedy rows read
+    conf_bias: Tensor  # [1]
+
+
+def greedy_chain(
+    h: Tensor, base: Tensor, anchors: Tensor, sts: Tensor, w: ChainWeights
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The Markov recursion of greedy rows without q: (drafts [B, g], log q at the drafts,
+    raw confidence logits, confidences ``sigmoid(z / sts)``). h [B, g, d] final-normed states,
+    base [B, g, V'] logits (any float dtype: they are summed in float32).
+
+    A pure function of tensors (no host values), so a compiled draft graph runs it as one
+    function: per position the U row, the low-rank term, the argmax, log q and the
+    confidence head, where eagerly each is its own kernels."""
+    prev = anchors
+    toks, lps, zs = [], [], []
+    for k in range(h.shape[1]):
+        u = F.embedding(prev, w.markov_u)
+        lg = base[:, k].float() + (u @ w.markov_v.t()).float()
+        x = torch.cat([h[:, k], u.to(h.dtype)], -1)
+        zs.append(F.linear(x, w.conf_weight, w.conf_bias).float()[:, 0])
+        tok = lg.argmax(-1)  # an index into the draft vocabulary (== the id without one)
+        lps.append(lg.gather(1, tok[:, None])[:, 0] - torch.logsumexp(lg, -1))
+        prev = tok if w.ids is None else w.ids[tok]
+        toks.append(prev)
+    z = torch.stack(zs, 1)
+    return torch.stack(toks, 1), torch.stack(lps, 1), z, torch.sigmoid(z / sts)
 
 
 @dataclass
@@ -205,6 +241,20 @@ class Drafter(nn.Module):
             return self._logits(h)
         w, _ = self._draft_weights()
         return F.linear(h.to(w.dtype), w)
+
+    def greedy_chain_weights(self) -> ChainWeights:
+        """What :func:`greedy_chain` reads, as plain tensors (a compiled caller takes them as
+        arguments): the draft head's rows, U, V (the draft vocabulary's rows), the ids (None:
+        the whole vocabulary) and the confidence head greedy rows read."""
+        ids = self.draft_vocab if self.draft_vocab.numel() else None
+        if ids is None:
+            head = getattr(self.target, "output", None)
+            rows = (head if head is not None else self.target.tok_embeddings).weight
+            mv = self.markov_v
+        else:
+            rows, mv = self._draft_weights()
+        conf = self.conf_head_greedy if self.conf_head_greedy is not None else self.conf_head
+        return ChainWeights(rows, self.markov_u.weight, mv, ids, conf.weight, conf.bias)
 
     # -- shared pieces ---------------------------------------------------------------------
     def project_context(self, hidden: Tensor) -> Tensor:
@@ -410,8 +460,8 @@ class Drafter(nn.Module):
         with_probs: bool = True,
     ) -> DraftBlock:
         """Left-to-right Markov recursion over a block's states: the drafts, their exact q_k
-        rows and the confidences. h [B, g, d] final-normed states, base [B, g, V'] float
-        logits from :meth:`draft_logits`, anchors [B], temps [B] (<= 0: greedy), on h's
+        rows and the confidences. h [B, g, d] final-normed states, base [B, g, V'] logits
+        from :meth:`draft_logits` (summed in float32), anchors [B], temps [B] (<= 0: greedy), on h's
         device. ``probs`` are always over the whole vocabulary.
 
         ``sts`` [B, g] (the regime's STS temperatures per row) and ``all_greedy`` let a caller
@@ -431,24 +481,26 @@ class Drafter(nn.Module):
         tsafe = torch.where(greedy, torch.ones_like(temps), temps)
         ids = self.draft_vocab if self.draft_vocab.numel() else None
         mv = self.markov_v if ids is None else self._draft_weights()[1]
+        if all_greedy and not with_probs:  # log q at the argmax, without q itself
+            tokens, logprobs, z, confidence = greedy_chain(
+                h, base, anchors, sts, self.greedy_chain_weights()
+            )
+            return DraftBlock(tokens, logprobs, base.new_zeros(0, dtype=torch.float32), z,
+                              confidence)  # fmt: skip
         toks, lps, probs, zs = [], [], [], []
-        lean = all_greedy and not with_probs  # log q at the argmax, without q itself
         prev = anchors
         for k in range(gamma):
             u = self.markov_u(prev)
             lg = base[:, k].float() + (u @ mv.t()).float()
             zs.append(self._conf(h[:, k], u))
             tok = lg.argmax(-1)  # an index into the draft vocabulary (== the id without one)
-            if lean:
-                lps.append(lg.gather(1, tok[:, None])[:, 0] - torch.logsumexp(lg, -1))
-            else:
-                q = torch.softmax(lg / tsafe[:, None], -1)
-                if not all_greedy:
-                    tok = torch.where(greedy, tok, _sample_rows(q, generator, greedy))
-                lps.append(torch.log(q.gather(1, tok[:, None])[:, 0].clamp_min(1e-30)))
-                if ids is not None:
-                    q = q.new_zeros(q.shape[0], self.cfg.vocab_size).index_copy_(1, ids, q)
-                probs.append(q)
+            q = torch.softmax(lg / tsafe[:, None], -1)
+            if not all_greedy:
+                tok = torch.where(greedy, tok, _sample_rows(q, generator, greedy))
+            lps.append(torch.log(q.gather(1, tok[:, None])[:, 0].clamp_min(1e-30)))
+            if ids is not None:
+                q = q.new_zeros(q.shape[0], self.cfg.vocab_size).index_copy_(1, ids, q)
+            probs.append(q)
             if ids is not None:
                 tok = ids[tok]
             toks.append(tok)
@@ -459,7 +511,7 @@ class Drafter(nn.Module):
         return DraftBlock(
             tokens=torch.stack(toks, 1),
             logprobs=torch.stack(lps, 1),
-            probs=torch.stack(probs, 1) if probs else base.new_zeros(0),
+            probs=torch.stack(probs, 1),
             conf_logits=z,
             confidence=torch.sigmoid(z / sts),
         )

@@ -9,11 +9,13 @@ them: :mod:`dspark_obs.engine.batched` owns the pool, the index arrays and the g
   requests) against the pool's K/V, masked by position. It writes the new K/V into the pool.
 * :func:`drafter_extend` writes the drafter's context K/V of verified rows (target features
   projected once) into the drafter pool.
-* :func:`drafter_states` runs the drafter's block pass for slots ``0..B-1``: its block K/V
-  go into the drafter pool as scratch, so one attention covers context and block.
+* :func:`draft_block` runs the drafter's block pass and greedy chain for slots ``0..B-1``:
+  its block K/V go into the drafter pool as scratch, so one attention covers context and
+  block.
 
 Under ``compiled`` each target layer (:func:`_layer`) and each drafter layer of the block
-pass (:func:`_draft_layer`) is one ``torch.compile`` function, its pool planes arguments.
+pass (:func:`_draft_layer`) is one ``torch.compile`` function, its pool planes arguments, and
+so are the block's draft head and greedy chain (:func:`_draft_head`).
 
 Every number comes from the reference modules (norms, projections, rotary tables): only the
 layout differs, and the tests hold both paths to 1e-9 in float64.
@@ -27,11 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dspark_obs.engine.drafter import Drafter
+from dspark_obs.engine.drafter import ChainWeights, Drafter, greedy_chain
 from dspark_obs.engine.drafter_layers import DraftLayer
 from dspark_obs.engine.model import Target, apply_rope, rms_norm, rope_cos_sin
 
-__all__ = ["drafter_extend", "drafter_states", "target_forward"]
+__all__ = ["draft_block", "drafter_extend", "target_forward"]
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, n_kv: int, group: int) -> Tensor:
@@ -122,13 +124,21 @@ def _maybe_compiled(fn: Callable[..., Tensor], compiled: bool) -> Callable[..., 
     Dynamic sizes still specialise where a size is 1 (one token, one row, one query per
     row) and where ``row_slot`` is None: a bounded set of graphs, about a dozen across the
     tiers, above dynamo's default limit of 8 recompilations per function, so the limit is
-    raised while this function compiles (and only then)."""
+    raised while this function compiles (and only then).
+
+    Inductor's on-disk caches are off while it compiles: on an H200 (torch 2.11) a process
+    that loaded a compiled layer cached by an earlier process with another pool length
+    stopped on a size assertion inside it (``runtime/bench/inductor_cache_crash_cuda.log``),
+    and every run with the caches off ran clean. It costs each process its compile time."""
     if not compiled:
         return fn
     if fn.__name__ not in _COMPILED:
         done = torch.compile(fn, dynamic=True, fullgraph=True)
         limit = torch._dynamo.config.patch(recompile_limit=_GRAPHS_PER_FUNCTION)
-        _COMPILED[fn.__name__] = limit(done)
+        import torch._inductor.config as inductor  # only a compiling caller pays the import
+
+        no_disk_cache = inductor.patch(force_disable_caches=True)
+        _COMPILED[fn.__name__] = no_disk_cache(limit(done))
     return _COMPILED[fn.__name__]
 
 
@@ -179,13 +189,36 @@ def target_forward(
     return target.norm(x), feats
 
 
-def drafter_extend(drafter: Drafter, dkv: Tensor, feats: Tensor, slot: Tensor, pos: Tensor) -> None:
-    """Write the drafter's context K/V of packed rows (target features) into the pool."""
-    x = drafter.project_context(feats)[None]  # [1, N, d]
+def _context_features(drafter: Drafter, feats: Tensor) -> Tensor:
+    """The drafter's context features of packed target features [N, k * d] -> [N, d]."""
+    return drafter.project_context(feats)
+
+
+def _extend_layer(
+    layer: DraftLayer, x: Tensor, slot: Tensor, pos: Tensor, keys: Tensor, values: Tensor
+) -> None:
+    """One drafter layer's context K/V of features x [N, d] into its pool planes (arguments
+    for :func:`_layer`'s reason) at ``(slot, pos)``."""
+    k, v = layer.kv(x[None], pos[None])  # [1, kvh, N, hd]
+    keys[slot, :, pos] = k[0].transpose(0, 1)
+    values[slot, :, pos] = v[0].transpose(0, 1)
+
+
+def drafter_extend(
+    drafter: Drafter,
+    dkv: Tensor,
+    feats: Tensor,
+    slot: Tensor,
+    pos: Tensor,
+    compiled: bool = False,
+) -> None:
+    """Write the drafter's context K/V of packed rows (target features) into the pool. Under
+    ``compiled`` the projection and each layer's write are compiled functions (eagerly they
+    are ~15 small kernels per layer, inside every verify graph)."""
+    x = _maybe_compiled(_context_features, compiled)(drafter, feats)
+    write = _maybe_compiled(_extend_layer, compiled)
     for li, layer in enumerate(drafter._draft_layers()):
-        k, v = layer.kv(x, pos[None])  # [1, kvh, N, hd]
-        dkv[li, 0, slot, :, pos] = k[0].transpose(0, 1)
-        dkv[li, 1, slot, :, pos] = v[0].transpose(0, 1)
+        write(layer, x, slot, pos, dkv[li, 0], dkv[li, 1])
 
 
 def _draft_layer(
@@ -211,16 +244,30 @@ def _draft_layer(
     return layer.mlp(x + layer.o_proj(a))
 
 
-def drafter_states(
+def _draft_head(
+    x: Tensor, norm_weight: Tensor, eps: float, anchors: Tensor, sts: Tensor, w: ChainWeights
+) -> tuple[Tensor, ...]:
+    """The block states' final norm, the draft head and the greedy chain: (drafts, log q,
+    confidence logits, confidences, h, base logits in the head's dtype). One function, so
+    compiled it fuses the chain's small per-position kernels (the base logits are summed in
+    float32 where they are read, never written out in float32)."""
+    h = rms_norm(x, norm_weight, eps)
+    base = F.linear(h.to(w.head.dtype), w.head)
+    return (*greedy_chain(h, base, anchors, sts, w), h, base)
+
+
+def draft_block(
     drafter: Drafter,
     dkv: Tensor,
     anchors: Tensor,
     committed: Tensor,
-    gamma: int,
+    sts: Tensor,
     span: int,
     compiled: bool = False,
-) -> tuple[Tensor, Tensor]:
-    """The drafter's block pass for slots ``0..B-1``: (h [B, gamma, d], base logits float).
+) -> tuple[Tensor, ...]:
+    """The drafter's block pass and greedy chain for slots ``0..B-1``: (drafts [B, gamma],
+    log q, confidence logits, confidences ``sigmoid(z / sts)`` (``sts`` [B, gamma]), h
+    [B, gamma, d], base logits [B, gamma, V'] in the head's dtype).
 
     The block's own K/V go into the pool at positions ``committed .. committed + g - 1``
     (scratch: the next verify overwrites them with committed features), so one attention
@@ -241,5 +288,7 @@ def drafter_states(
     layer_fn = _maybe_compiled(_draft_layer, compiled)
     for li, layer in enumerate(drafter._draft_layers()):
         x = layer_fn(layer, x, pos, rows, mask, dkv[li, 0], dkv[li, 1])
-    h = drafter._final_norm(x[:, :gamma])
-    return h, drafter.draft_logits(h).float()
+    norm = drafter.target.norm
+    head = _maybe_compiled(_draft_head, compiled)
+    return head(x[:, : sts.shape[1]], norm.weight, norm.eps, anchors, sts,
+                drafter.greedy_chain_weights())  # fmt: skip

@@ -155,8 +155,8 @@ class StepPipeline:
             if whole:
                 if self._records_read_logits:
                     run_pending(io.pending)  # they read the buffer this launch overwrites
-                if cfg.mode != "static":  # its records may read its rows (censored blocks)
-                    inflight.verified.keep_logits()
+                if any(live.censored for live in running):
+                    inflight.verified.keep_logits()  # its records read these requests' rows
                 self._inflight = self._launch(running, fct, decision, io.pending, ahead=True)
                 if cfg.overlap:
                     run_pending(io.pending)
