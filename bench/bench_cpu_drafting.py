@@ -27,11 +27,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspark_obs.engine import batched
 from dspark_obs.engine.draft_vocab import draft_vocab, load_ranking
 from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.no_spec import run_no_spec
 from dspark_obs.engine.session import load_cost_table, load_models, traffic_to_requests
+from dspark_obs.engine.shared_runtime import shared_runtime
 from dspark_obs.engine.types import EngineConfig
 from dspark_obs.fanout import FanOut, MemorySink
 from dspark_obs.testing.throughput_bench import build_queue, queue_size
@@ -48,7 +48,7 @@ def draft_costs(
     """Median ms of one draft call per vocabulary size, and of one 6-token verify forward:
     wall time, and process CPU time (``_cpu``: all threads; less sensitive to other
     processes on a shared machine)."""
-    rt = batched.shared_runtime(
+    rt = shared_runtime(
         models.target, models.drafter, max_batch=bs, max_len=1024, gamma=5, cuda_graphs=False
     )
     try:

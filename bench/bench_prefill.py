@@ -24,8 +24,9 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from dspark_obs.engine.batched import BatchedRuntime, shared_runtime
+from dspark_obs.engine.batched import BatchedRuntime
 from dspark_obs.engine.session import load_models, traffic_to_requests
+from dspark_obs.engine.shared_runtime import shared_runtime
 from dspark_obs.workloads import load_traffic
 
 

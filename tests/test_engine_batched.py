@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from dspark_obs.engine import packed
-from dspark_obs.engine.batched import BatchedRuntime, shared_runtime
+from dspark_obs.engine.batched import BatchedRuntime
 from dspark_obs.engine.drafter import Drafter
 from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.model import Target
 from dspark_obs.engine.no_spec import run_no_spec
 from dspark_obs.engine.reference import ReferenceRuntime
 from dspark_obs.engine.runtime import Runtime
+from dspark_obs.engine.shared_runtime import shared_runtime
 from dspark_obs.engine.slots import Pack, prefill_plan, tier_of
 from dspark_obs.engine.types import EngineConfig, EngineError, GenRequest
 from dspark_obs.fanout import FanOut, MemorySink

@@ -33,9 +33,7 @@ the drafter's Markov recursion); only the data layout and the launch pattern dif
 
 from __future__ import annotations
 
-import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -51,6 +49,7 @@ from dspark_obs.engine.block_verify import (
     survival_of,
 )
 from dspark_obs.engine.drafter import DraftBlock, Drafter
+from dspark_obs.engine.graph_plan import decode_graph_keys, dummy_inputs
 from dspark_obs.engine.model import Target
 from dspark_obs.engine.packed import draft_block, drafter_extend, target_forward
 from dspark_obs.engine.slots import (
@@ -66,7 +65,7 @@ from dspark_obs.engine.slots import (
     tier_of,
 )
 
-__all__ = ["BatchedRuntime", "VerifyOut", "shared_runtime"]
+__all__ = ["BatchedRuntime", "VerifyOut"]
 
 
 # --------------------------------------------------------------------------- the runtime
@@ -632,20 +631,14 @@ class BatchedRuntime:
     def graph_keys(self, span_end: int) -> list[tuple[str, tuple]]:
         """The verify and draft graphs a decode step can replay while every slot ends before
         ``span_end`` (what :meth:`capture` takes at start-up)."""
-        q = self.gamma + 1
         spans = sorted({self._span(e) for e in (64, *self.length_tiers) if e <= span_end})
-        spans = spans or [self._span(span_end)]
-        keys: list[tuple[str, tuple]] = []
-        low = 0
-        for bt in (b for b in self.batch_tiers if b <= self.pool.slots):
-            for nt in (t for t in self.token_tiers if low < t <= bt * q):
-                keys += [("verify", (q, bt, nt, span, False)) for span in spans]
-            for nt in sorted({tier_of(b * q, self.token_tiers) for b in range(low + 1, bt + 1)}):
-                keys += [("block", (q, bt, nt, span)) for span in spans]
-            if self.drafter is not None:
-                keys += [("draft", (bt, self.gamma, span)) for span in spans]
-            low = bt
-        return keys
+        return decode_graph_keys(
+            self.gamma,
+            spans or [self._span(span_end)],
+            [b for b in self.batch_tiers if b <= self.pool.slots],
+            self.token_tiers,
+            drafting=self.drafter is not None,
+        )
 
     def capture(self, span_end: int, progress: Callable[[str], None] | None = None) -> int:
         """Capture the decode step's CUDA graphs up front (they are otherwise captured on
@@ -657,47 +650,11 @@ class BatchedRuntime:
         todo = [(b, k) for b, k in self.graph_keys(span_end) if k not in self._banks[b]]
         t0 = time.perf_counter()
         for i, (bank, key) in enumerate(todo, 1):
-            self._banks[bank].capture(key, self._dummy_inputs(bank, key))
+            self._banks[bank].capture(key, dummy_inputs(bank, key, self.device, self.pool.trash))
             if progress and (i == len(todo) or i % 25 == 0):
                 progress(f"captured {i}/{len(todo)} CUDA graphs ({time.perf_counter() - t0:.1f} s)")
         self.pool.lengths[:] = 0
         return len(todo)
-
-    def _dummy_inputs(self, bank: str, key: tuple) -> dict[str, Tensor]:
-        """Inputs of a graph's shape that touch only the scratch slot (no request's cache)."""
-        dev, trash = self.device, self.pool.trash
-        if bank == "draft":
-            bt, gamma, span = key
-            return {
-                "anchors": torch.zeros(bt, dtype=torch.long, device=dev),
-                "committed": torch.zeros(bt, dtype=torch.long, device=dev),
-                "sts": torch.ones(bt, gamma, device=dev),
-                "span": torch.empty(span, device=dev),
-            }
-        if bank == "block":
-            q, bt, nt, span = key
-            return {
-                "drafts": torch.zeros(bt, q - 1, dtype=torch.long, device=dev),
-                "conf": torch.ones(bt, q - 1, device=dev),
-                "logprobs": torch.zeros(bt, q - 1, device=dev),
-                "start": torch.zeros(bt, dtype=torch.long, device=dev),
-                "anchors": torch.zeros(bt, dtype=torch.long, device=dev),
-                "slot": torch.full((nt,), trash, dtype=torch.long, device=dev),
-                "qidx": torch.full((nt,), bt * q, dtype=torch.long, device=dev),
-                "floor": torch.full((1,), -1.0, device=dev),
-                "q": torch.empty(q, device=dev),
-                "span": torch.empty(span, device=dev),
-            }
-        q, bt, nt, span, _ = key
-        return {
-            "tokens": torch.zeros(nt, dtype=torch.long, device=dev),
-            "slot": torch.full((nt,), trash, dtype=torch.long, device=dev),
-            "pos": torch.zeros(nt, dtype=torch.long, device=dev),
-            "qidx": torch.full((nt,), bt * q, dtype=torch.long, device=dev),
-            "past": torch.zeros(bt, dtype=torch.long, device=dev),
-            "q": torch.empty(q, device=dev),
-            "span": torch.empty(span, device=dev),
-        }
 
     @property
     def graphs(self) -> int:
@@ -707,73 +664,6 @@ class BatchedRuntime:
     @property
     def graph_capture_seconds(self) -> float:
         return self.capture_seconds + sum(b.capture_seconds for b in self._banks.values())
-
-
-_CACHE: weakref.WeakKeyDictionary[Target, dict[tuple, BatchedRuntime]] = weakref.WeakKeyDictionary()
-
-
-_CACHE_LOCK = threading.Lock()
-
-
-def shared_runtime(
-    target: Target,
-    drafter: Drafter | None,
-    *,
-    max_batch: int,
-    max_len: int,
-    gamma: int,
-    cuda_graphs: bool = True,
-    compiled: bool = False,
-    token_tiers: Sequence[int] = TOKEN_TIERS,
-    batch_tiers: Sequence[int] = BATCH_TIERS,
-    prefer: BatchedRuntime | None = None,
-) -> BatchedRuntime:
-    """A runtime for this target and drafter, handed out ``busy`` (set ``busy = False`` when
-    the run ends). The same one comes back across runs and engines, so CUDA graphs are
-    captured once; while it is busy (two engines at once on one target, e.g. two servers in
-    one process) a private one is made, since each run needs its own slots. ``prefer`` (the
-    caller's last runtime) comes back first when it is free and fits the same settings."""
-    vocab = drafter.draft_vocab if drafter is not None else None  # draft graphs bake it in
-    vocab_key = (vocab.data_ptr(), vocab.numel()) if vocab is not None and vocab.numel() else None
-    key = (
-        id(drafter),
-        gamma,
-        bool(cuda_graphs),
-        bool(compiled),
-        tuple(token_tiers),
-        tuple(batch_tiers),
-        vocab_key,
-    )
-    with _CACHE_LOCK:
-        per_target = _CACHE.setdefault(target, {})
-        rt = per_target.get(key)
-        if prefer is not None and prefer.key == key and prefer.drafter is drafter:
-            rt = prefer
-        if rt is not None and rt.drafter is drafter and not rt.busy:
-            rt.busy = True
-        else:
-            rt = None
-    if rt is None:
-        rt = BatchedRuntime(
-            target,
-            drafter,
-            max_batch=max_batch,
-            max_len=max_len,
-            gamma=gamma,
-            cuda_graphs=cuda_graphs,
-            compiled=compiled,
-            token_tiers=token_tiers,
-            batch_tiers=batch_tiers,
-        )
-        rt.busy = True
-        rt.key = key
-        with _CACHE_LOCK:
-            cached = per_target.get(key)
-            if cached is None or cached.drafter is not drafter:
-                per_target[key] = rt
-    rt.reset()
-    rt.reserve(max_batch, max_len)
-    return rt
 
 
 def _fit(x: Tensor, n: int) -> Tensor:

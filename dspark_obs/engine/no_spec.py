@@ -13,10 +13,10 @@ from collections.abc import Sequence
 
 import torch
 
-from dspark_obs.engine.batched import shared_runtime
 from dspark_obs.engine.model import Target
 from dspark_obs.engine.reference import ReferenceRuntime
 from dspark_obs.engine.runtime import Runtime
+from dspark_obs.engine.shared_runtime import shared_runtime
 from dspark_obs.engine.types import BACKENDS, EngineError, GenRequest, RunResult
 
 __all__ = ["no_spec_runtime", "run_no_spec"]

@@ -32,11 +32,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dspark_obs.engine.batched import BatchedRuntime, shared_runtime
+from dspark_obs.engine.batched import BatchedRuntime
 from dspark_obs.engine.block_verify import BlockVerified
 from dspark_obs.engine.drafter import DraftBlock, Drafter
 from dspark_obs.engine.model import Target
 from dspark_obs.engine.reference import ReferenceRuntime
+from dspark_obs.engine.shared_runtime import shared_runtime
 from dspark_obs.engine.slots import BATCH_TIERS, TOKEN_TIERS
 from dspark_obs.engine.types import EngineConfig
 
@@ -138,7 +139,7 @@ def engine_runtime(
     """The runtime one engine run drives, handed out busy, with room for ``max_len``.
 
     Batched: shared across runs and engines on this target (:func:`~dspark_obs.engine.
-    batched.shared_runtime`), so CUDA graphs are captured once (``prefer``: the engine's last
+    shared_runtime.shared_runtime`), so CUDA graphs are captured once (``prefer``: the engine's last
     one, when it is free); ``cfg.capture_graphs`` captures them all now. Reference: a fresh
     one per run (it holds nothing worth keeping)."""
     if not uses_batched(cfg, target):

@@ -1,0 +1,90 @@
+"""Which CUDA graphs a decode step can replay, and inputs to capture each one with.
+
+Apart from :mod:`dspark_obs.engine.batched` because it is the plan, not the runtime: the
+graph keys follow from the tiers alone (a step pads its batch, its packed tokens and its key
+span up to a tier), and a capture needs inputs of a key's shapes that write nothing a request
+owns. :meth:`BatchedRuntime.capture` takes every key at start-up, so no step captures.
+
+Keys, per bank (the runtime's graph banks):
+
+* ``verify``: ``(q, batch tier, token tier, span, gather)`` -- a packed forward of up to ``q``
+  tokens per row (:meth:`BatchedRuntime.forward`);
+* ``block``: ``(q, batch tier, token tier, span)`` -- a whole-block verify with its greedy
+  acceptance (:meth:`BatchedRuntime.verify_block`);
+* ``draft``: ``(batch tier, gamma, span)`` -- the drafter's block pass and greedy chain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from dspark_obs.engine.slots import tier_of
+
+__all__ = ["decode_graph_keys", "dummy_inputs"]
+
+
+def decode_graph_keys(
+    gamma: int,
+    spans: Sequence[int],
+    batch_tiers: Sequence[int],
+    token_tiers: Sequence[int],
+    *,
+    drafting: bool,
+) -> list[tuple[str, tuple]]:
+    """Every ``(bank, key)`` a decode step of ``gamma`` drafts can replay at these key spans
+    and batch tiers (ascending; those the pool holds): for each batch tier the verify token
+    tiers above the tier below it, the block tiers its batch sizes pad to, and (``drafting``)
+    its draft graph."""
+    q = gamma + 1
+    keys: list[tuple[str, tuple]] = []
+    low = 0
+    for bt in batch_tiers:
+        for nt in (t for t in token_tiers if low < t <= bt * q):
+            keys += [("verify", (q, bt, nt, span, False)) for span in spans]
+        for nt in sorted({tier_of(b * q, token_tiers) for b in range(low + 1, bt + 1)}):
+            keys += [("block", (q, bt, nt, span)) for span in spans]
+        if drafting:
+            keys += [("draft", (bt, gamma, span)) for span in spans]
+        low = bt
+    return keys
+
+
+def dummy_inputs(bank: str, key: tuple, device: torch.device, trash: int) -> dict[str, Tensor]:
+    """Inputs of a graph's shapes that touch only the scratch slot ``trash`` (no request's
+    cache): every row writes there, every length is 0."""
+    dev = device
+    if bank == "draft":
+        bt, gamma, span = key
+        return {
+            "anchors": torch.zeros(bt, dtype=torch.long, device=dev),
+            "committed": torch.zeros(bt, dtype=torch.long, device=dev),
+            "sts": torch.ones(bt, gamma, device=dev),
+            "span": torch.empty(span, device=dev),
+        }
+    if bank == "block":
+        q, bt, nt, span = key
+        return {
+            "drafts": torch.zeros(bt, q - 1, dtype=torch.long, device=dev),
+            "conf": torch.ones(bt, q - 1, device=dev),
+            "logprobs": torch.zeros(bt, q - 1, device=dev),
+            "start": torch.zeros(bt, dtype=torch.long, device=dev),
+            "anchors": torch.zeros(bt, dtype=torch.long, device=dev),
+            "slot": torch.full((nt,), trash, dtype=torch.long, device=dev),
+            "qidx": torch.full((nt,), bt * q, dtype=torch.long, device=dev),
+            "floor": torch.full((1,), -1.0, device=dev),
+            "q": torch.empty(q, device=dev),
+            "span": torch.empty(span, device=dev),
+        }
+    q, bt, nt, span, _ = key
+    return {
+        "tokens": torch.zeros(nt, dtype=torch.long, device=dev),
+        "slot": torch.full((nt,), trash, dtype=torch.long, device=dev),
+        "pos": torch.zeros(nt, dtype=torch.long, device=dev),
+        "qidx": torch.full((nt,), bt * q, dtype=torch.long, device=dev),
+        "past": torch.zeros(bt, dtype=torch.long, device=dev),
+        "q": torch.empty(q, device=dev),
+        "span": torch.empty(span, device=dev),
+    }
