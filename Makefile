@@ -39,10 +39,12 @@ ifeq ($(SERVE),1)
 endif
 
 # What CI runs: the same install step (Prometheus + promtool, Chromium + ChromeDriver, the
-# SGLang wheel; it prints what it could not install and which tests skip), then every test.
+# SGLang wheel; it prints what it could not install and which tests skip), then every test,
+# in two pytest-xdist workers, each test file on one worker (module fixtures set up once), the
+# slowest files handed out first (tests/conftest.py: SLOW_MODULES_FIRST, torch one thread each).
 test: install
 	PY=$(PY) ./scripts/install-test-deps.sh
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder
 
 lint:
 	ruff check dspark_obs tests bench

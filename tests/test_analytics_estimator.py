@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -474,15 +475,25 @@ def test_predictive_interval_reduces_to_request_bootstrap_under_greedy():
     assert old["pred_ci_lo"].isna().all() and old["point_ci_lo"].notna().all()
 
 
+@functools.cache
+def _shared_draw_replicates() -> tuple:
+    """The 60 seeded small sampled replicates (3 requests per workload) whose companion consumes
+    the same draws, as the engine's does; simulated once for the two coverage tests below, which
+    only read them."""
+    return tuple(
+        simulate_pair(
+            n_requests=9, seed=seed, temperature=1.0, max_new_tokens=32, shared_draws=True
+        )
+        for seed in range(60)
+    )
+
+
 def test_predictive_interval_covers_realized_companion_truth():
     """Over seeded small sampled replicates (3 requests per workload; the companion consumes
     the same draws, as the engine's does), pred_ci holds the realized truth near the nominal
     95% where point_ci (expected mean only) falls short."""
     vals = []
-    for seed in range(60):
-        sim = simulate_pair(
-            n_requests=9, seed=seed, temperature=1.0, max_new_tokens=32, shared_draws=True
-        )
+    for seed, sim in enumerate(_shared_draw_replicates()):
         est = estimate_blocks(sim.compact_req_steps, sim.compact_requests)
         vals.append(validate_estimator(est, sim.cap_req_steps, n_boot=100, seed=seed))
     v = pd.concat(vals)
@@ -742,10 +753,7 @@ def test_companion_interval_covers_the_companion_of_the_same_run():
     """Seeded sampled replicates whose companion consumes the same draws: companion_ci (same
     blocks, tail parameters and coins redrawn) holds the companion's mean near 95%."""
     vals = []
-    for seed in range(60):
-        sim = simulate_pair(
-            n_requests=9, seed=seed, temperature=1.0, max_new_tokens=32, shared_draws=True
-        )
+    for seed, sim in enumerate(_shared_draw_replicates()):
         est = estimate_blocks(sim.compact_req_steps, sim.compact_requests, seed=seed)
         vals.append(validate_estimator(est, sim.cap_req_steps, by=(), n_boot=100, seed=seed))
     cov = coverage(vals, by=()).iloc[0]

@@ -136,7 +136,8 @@ def test_every_refused_run_leaves_the_store_empty(smollm2: Path, tmp_path: Path)
     """Files, STS length vs gamma, cost table, context incl. generated tokens: all checked
     before the first record."""
     store = tmp_path / "store"
-    runner = CliRunner()
+    # wide enough that no message wraps inside a path (pytest-xdist's tmp paths are longer)
+    runner = CliRunner(env={"COLUMNS": "400"})
     sts7 = tmp_path / "sts7.json"
     sts7.write_text(json.dumps({"temperatures": [1.0] * 7}))
     binary = tmp_path / "bin.json"

@@ -294,6 +294,18 @@ def test_store_query_refuses_escapes_and_writes_into_the_store(sandbox: tuple[Pa
 # ---------------------------------------------------------------------- random damage
 
 
+@pytest.fixture(scope="module")
+def built_ab3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """One ``build(root, ("a", "b"), 3)`` for every example below: (the root it was built at, a
+    pristine copy). The catalog names segments by absolute path, so each example's copy goes
+    back to that root."""
+    base = tmp_path_factory.mktemp("damage")
+    root, pristine = base / "store", base / "pristine"
+    build(root, ("a", "b"), 3)
+    shutil.copytree(root, pristine, symlinks=True)
+    return root, pristine
+
+
 @settings(max_examples=8, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(
@@ -303,14 +315,15 @@ def test_store_query_refuses_escapes_and_writes_into_the_store(sandbox: tuple[Pa
     seed=st.integers(0, 2**16),
 )
 def test_random_damage_to_a_segment(
-    tmp_path_factory: pytest.TempPathFactory, which: int, how: str, where: float, seed: int
+    built_ab3: tuple[Path, Path], which: int, how: str, where: float, seed: int
 ) -> None:
     """Truncated at any point, overwritten with random bytes at either end, emptied: queries
     answer (without that segment at worst, never with a traceback), the writer restarts and
     compacts, --repair cleans up. (A single flipped bit inside a value is not detectable:
     Parquet pages carry no checksum as written here.)"""
-    root = tmp_path_factory.mktemp("damage") / "store"
-    build(root, ("a", "b"), 3)
+    root, pristine = built_ab3
+    shutil.rmtree(root)  # the store as build() left it: this example's damage only
+    shutil.copytree(pristine, root, symlinks=True)
     seg = sorted((root / "req_steps" / "run_id=a").glob("seg-*.parquet"))[which]
     data = bytearray(seg.read_bytes())
     rng = random.Random(seed)
