@@ -223,11 +223,15 @@ class Drafter(nn.Module):
         self.draft_vocab = torch.unique(t).to(self.fc.weight.device)
         self._draft_rows = None
 
+    def _head_weight(self) -> Tensor:
+        """The target's LM-head rows [V, d] (its embedding when the head is tied)."""
+        head = getattr(self.target, "output", None)
+        return (head if head is not None else self.target.tok_embeddings).weight
+
     def _draft_weights(self) -> tuple[Tensor, Tensor]:
         """(LM-head rows, Markov V rows) of the draft vocabulary, gathered once per change
         of the weights, the ids, their device or dtype."""
-        head = self.target.output if getattr(self.target, "output", None) is not None else None
-        weight = head.weight if head is not None else self.target.tok_embeddings.weight
+        weight = self._head_weight()
         ids = self.draft_vocab
         key = (weight.data_ptr(), weight._version, weight.dtype, self.markov_v.data_ptr(),
                self.markov_v._version, self.markov_v.dtype, ids.data_ptr(), ids.numel())
@@ -247,12 +251,7 @@ class Drafter(nn.Module):
         arguments): the draft head's rows, U, V (the draft vocabulary's rows), the ids (None:
         the whole vocabulary) and the confidence head greedy rows read."""
         ids = self.draft_vocab if self.draft_vocab.numel() else None
-        if ids is None:
-            head = getattr(self.target, "output", None)
-            rows = (head if head is not None else self.target.tok_embeddings).weight
-            mv = self.markov_v
-        else:
-            rows, mv = self._draft_weights()
+        rows, mv = (self._head_weight(), self.markov_v) if ids is None else self._draft_weights()
         conf = self.conf_head_greedy if self.conf_head_greedy is not None else self.conf_head
         return ChainWeights(rows, self.markov_u.weight, mv, ids, conf.weight, conf.bias)
 
@@ -461,8 +460,8 @@ class Drafter(nn.Module):
     ) -> DraftBlock:
         """Left-to-right Markov recursion over a block's states: the drafts, their exact q_k
         rows and the confidences. h [B, g, d] final-normed states, base [B, g, V'] logits
-        from :meth:`draft_logits` (summed in float32), anchors [B], temps [B] (<= 0: greedy), on h's
-        device. ``probs`` are always over the whole vocabulary.
+        from :meth:`draft_logits` (summed in float32), anchors [B], temps [B] (<= 0: greedy),
+        on h's device. ``probs`` are always over the whole vocabulary.
 
         ``sts`` [B, g] (the regime's STS temperatures per row) and ``all_greedy`` let a caller
         that cannot sync with the host (a CUDA graph capture) pass what would be looked up.
@@ -478,15 +477,15 @@ class Drafter(nn.Module):
             )
         if all_greedy is None:
             all_greedy = bool(greedy.all())
-        tsafe = torch.where(greedy, torch.ones_like(temps), temps)
-        ids = self.draft_vocab if self.draft_vocab.numel() else None
-        mv = self.markov_v if ids is None else self._draft_weights()[1]
         if all_greedy and not with_probs:  # log q at the argmax, without q itself
             tokens, logprobs, z, confidence = greedy_chain(
                 h, base, anchors, sts, self.greedy_chain_weights()
             )
             return DraftBlock(tokens, logprobs, base.new_zeros(0, dtype=torch.float32), z,
                               confidence)  # fmt: skip
+        tsafe = torch.where(greedy, torch.ones_like(temps), temps)
+        ids = self.draft_vocab if self.draft_vocab.numel() else None
+        mv = self.markov_v if ids is None else self._draft_weights()[1]
         toks, lps, probs, zs = [], [], [], []
         prev = anchors
         for k in range(gamma):
