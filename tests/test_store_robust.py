@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import typer
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
@@ -314,6 +314,10 @@ def built_ab3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     where=st.floats(0.0, 1.0),
     seed=st.integers(0, 2**16),
 )
+# Found by CI: footer and key pages intact, a data page of another column damaged. The replayed
+# rows were once dropped as stored on the key columns alone, then compaction set the segment
+# aside: 48 rows lost. A stored copy now counts only when its whole row group reads back.
+@example(which=0, how="garbage head", where=0.00390625, seed=0)
 def test_random_damage_to_a_segment(
     built_ab3: tuple[Path, Path], which: int, how: str, where: float, seed: int
 ) -> None:
@@ -349,3 +353,36 @@ def test_random_damage_to_a_segment(
         repair(root, check_store(root))
         assert check_store(root) == []
         assert per_run(Store(root)) == {"a": (144, 144), "b": (144, 144)}
+
+
+@pytest.mark.parametrize("table", ["req_steps", "requests"])
+def test_a_damaged_page_outside_the_keys_costs_no_replayed_row(tmp_path: Path, table: str) -> None:
+    """The footer and the key columns of a segment read, a page of another column does not:
+    the run replayed, its rows are stored again (the unreadable copy does not count as stored),
+    and compaction sets the damaged segment aside with every row still in the store."""
+    root = tmp_path / "store"
+    build(root, ("a",), 5)
+    want = per_run(Store(root), table)
+    seg = sorted((root / table / "run_id=a").glob("seg-*.parquet"))[0]
+    md = pq.read_metadata(seg)
+    keys = [k for k in schema.KEYS[table] if k != "run_id"]
+    col = next(
+        i for i in range(md.num_columns) if md.schema.column(i).path not in [*keys, "run_id"]
+    )
+    chunk = md.row_group(0).column(col)
+    start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
+    data = bytearray(seg.read_bytes())
+    data[start : start + 24] = b"\xff" * 24
+    seg.write_bytes(bytes(data))
+    pq.read_table(seg, columns=keys)  # the keys still read ...
+    with pytest.raises((OSError, pa.ArrowException)):
+        pq.read_table(seg)  # ... the segment does not
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", StoreWarning)
+        with Store(root) as store:
+            for name, _, batch in src.source("a", 5):
+                store.write(name, batch)
+            store.compact()
+        assert per_run(Store(root), table) == want
+        every_column = Store(root).query(f"SELECT * FROM {table}")
+        assert every_column.num_rows == want["a"][0]

@@ -113,7 +113,11 @@ def read_keys(
     paths: list[Path], ranges: dict[int, tuple[int, int]], key_cols: tuple[str, ...]
 ) -> pa.Table:
     """Key columns of the row groups whose (dp_rank, forward_ct) statistics overlap ``ranges``
-    (a compacted segment is read a row group at a time, not whole)."""
+    (a compacted segment is read a row group at a time, not whole).
+
+    Those row groups are decoded whole, every column: a replayed row is dropped as stored only
+    when its stored copy reads back, since damage in a non-key page would otherwise surface at
+    compaction, after the replayed copy was already dropped (its row lost)."""
     parts = []
     for path in paths:
         pf = pq.ParquetFile(path)
@@ -132,7 +136,7 @@ def read_keys(
             ):
                 groups.append(g)
         if groups:
-            parts.append(pf.read_row_groups(groups, columns=list(key_cols)))
+            parts.append(pf.read_row_groups(groups).select(list(key_cols)))
     if not parts:
         return pa.table({c: pa.array([], pa.int64()) for c in key_cols})
     return pa.concat_tables(parts, promote_options="permissive")

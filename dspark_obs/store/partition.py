@@ -216,9 +216,19 @@ def load_partition(part: Partition) -> None:
                 ranges = dedupe.step_ranges(pq.read_table(path, columns=["dp_rank", "forward_ct"]))
         part.segments.append(Segment(path, md.num_rows, ranges))
     if not part.by_step and part.key_cols and part.segments:
-        part.keys = pa.concat_tables(
-            [pq.read_table(s.path, columns=list(part.key_cols)) for s in part.segments]
-        )
+        # Whole segments (these tables are small): a row counts as stored only when its stored
+        # copy reads back, or a damaged non-key page would cost the replayed row (dedupe.py).
+        keys, readable = [], []
+        for seg in part.segments:
+            try:
+                keys.append(pq.read_table(seg.path).select(list(part.key_cols)))
+                readable.append(seg)
+            except UNREADABLE as exc:
+                reason = f"unreadable data ({str(exc).splitlines()[0][:160]})"
+                dest = layout.quarantine(part.root, seg.path, reason)
+                warnings.warn(f"{seg.path}: {reason}; moved to {dest}", StoreWarning, stacklevel=5)
+        part.segments = readable
+        part.keys = pa.concat_tables(keys) if keys else None
 
 
 UNREADABLE = (OSError, pa.ArrowException)
