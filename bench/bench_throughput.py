@@ -128,9 +128,10 @@ def run_nospec(models: Any, reqs: Sequence[GenRequest], bs: int, device: torch.d
 def run_engine(models: Any, reqs: Sequence[GenRequest], bs: int, mode: str, table: Any,
                device: torch.device, compiled: bool = False,
                backend: str = "batched", whole_block: bool = True,
-               launch_ahead: bool | None = None) -> Measurement:
+               launch_ahead: bool | None = None, device_windows: bool = True) -> Measurement:
     cfg = EngineConfig(mode=mode, gamma=GAMMA, max_batch=bs, cost_table=table, compile=compiled,
-                       backend=backend, whole_block_verify=whole_block, launch_ahead=launch_ahead)
+                       backend=backend, whole_block_verify=whole_block, launch_ahead=launch_ahead,
+                       device_windows=device_windows)
     eng = Engine(models.target, models.drafter, cfg, models.stop_ids)
     sink = MemorySink()
     fan = FanOut([sink])
@@ -237,6 +238,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="verify right after drafting when a step verifies every block (one "
                          "read-back per step); --no-whole-block: the step reads the drafts "
                          "back first (engine v3 before this change), for an A/B")
+    ap.add_argument("--device-windows", action=argparse.BooleanOptionalAction, default=True,
+                    help="a compact step whose budget trims allocates and packs its windows on "
+                         "the device (a whole-block step); --no-device-windows: such a step "
+                         "reads the drafts back first and plans on the host, for an A/B")
     ap.add_argument("--launch-ahead", action=argparse.BooleanOptionalAction, default=None,
                     help="launch a whole-block step before reading the one before it (the "
                          "host's work overlaps the device's next step; default: on cuda, "
@@ -370,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if v == "hf":
             return run_hf(hf, models, reqs, device)
         return run_engine(models, reqs, bs, v, table, device, args.compile, args.backend,
-                          args.whole_block, args.launch_ahead)
+                          args.whole_block, args.launch_ahead, args.device_windows)
 
     for bs in args.batches:
         reqs = all_reqs[: sizes[bs]]

@@ -340,10 +340,17 @@ def test_graph_keys_cover_every_decode_step_shape_and_capture_is_a_no_op_on_cpu(
     target, drafter = _models(8)
     rt = BatchedRuntime(target, drafter, max_batch=16, max_len=256, gamma=5)
     keys = {k for bank, k in rt.graph_keys(256) if bank == "verify"}
+    block = {k for bank, k in rt.graph_keys(256) if bank == "block"}
+    trimmed = {k for bank, k in rt.graph_keys(256, trims=True) if bank == "block"}
+    span = rt._span(256)
     for batch in range(1, 17):
         bt = tier_of(batch, rt.batch_tiers)
         for n in range(batch, 6 * batch + 1):
-            assert (6, bt, tier_of(n, rt.token_tiers), rt._span(256), False) in keys
+            assert (6, bt, tier_of(n, rt.token_tiers), span, False) in keys
+            # a compact budget of n - batch drafts packs n tokens on the device
+            assert (6, bt, tier_of(n, rt.token_tiers), span) in trimmed
+        assert (6, bt, tier_of(6 * batch, rt.token_tiers), span) in block
+    assert block < trimmed
     assert rt.capture(256) == 0  # graphs are off on the CPU
 
 

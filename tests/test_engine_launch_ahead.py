@@ -105,15 +105,39 @@ def test_launched_ahead_greedy_output_is_plain_greedy_decoding() -> None:
         assert res.outputs[r.rid] == _plain_greedy(target, r.prompt_ids, r.max_new_tokens)
 
 
-def test_records_of_a_launched_ahead_run_add_up() -> None:
+@pytest.mark.parametrize("table", ["free", "mild"])
+def test_records_of_a_launched_ahead_run_add_up(
+    table: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """No wasted row is recorded: a request's accepted tokens sum to its output, each row
-    starts where its previous one ended, every step counts exactly its rows."""
+    starts where its previous one ended, every step counts exactly its rows. Budgets trim
+    (some under ``free``, whose floor leaves lagged drafts out; many under ``mild``), and
+    those steps launch ahead too (windows allocated and packed on the device, each checked
+    against the scheduler's when read); tokens stay plain greedy's."""
+    trimmed = {"ahead": 0}
+    verify_block, launch = BatchedRuntime.verify_block, StepPipeline._launch
+
+    def spy_launch(self, *args, ahead):  # type: ignore[no-untyped-def]
+        def spy_verify(block, floor=None, budget=None, **kw):  # type: ignore[no-untyped-def]
+            trimmed["ahead"] += ahead and budget is not None and budget < block.tokens.numel()
+            return verify_block(self.rt, block, floor, budget, **kw)
+
+        monkeypatch.setattr(self.rt, "verify_block", spy_verify)
+        return launch(self, *args, ahead=ahead)
+
+    monkeypatch.setattr(StepPipeline, "_launch", spy_launch)
     reqs = _requests(9, seed=4)
+    cost_table = _free_table() if table == "free" else _mild_table()
     cfg = EngineConfig(
-        mode="compact", max_batch=3, backend="batched", cost_table=_free_table(), launch_ahead=True
+        mode="compact", max_batch=3, backend="batched", cost_table=cost_table, launch_ahead=True
     )
     res, steps, req_steps = _run(cfg, reqs, stop_ids=(5,))
     assert any(row["verify_len"] < cfg.gamma + 1 for row in req_steps)  # cut at the floor
+    assert trimmed["ahead"] > 0
+    target, _ = _models(7)
+    for r in reqs:
+        plain = _plain_greedy(target, r.prompt_ids, r.max_new_tokens)
+        assert res.outputs[r.rid] == plain[: len(res.outputs[r.rid])]  # a stop id ends it
     per_req: dict[str, list[dict]] = defaultdict(list)
     for row in sorted(req_steps, key=lambda r: r["forward_ct"]):
         per_req[row["rid"]].append(row)
@@ -147,12 +171,14 @@ def test_each_request_records_what_the_synchronous_step_records(
 ) -> None:
     """A request finishing is seen a step later, so requests join a step later and step
     numbers shift; what each request drafted, verified, accepted and resolved does not
-    (in ``compact`` while the budgets stay full: this case resolves censored blocks)."""
+    (in ``compact`` while the budgets stay full: this case resolves censored blocks; a
+    trimmed budget is shared by the batch, whose make-up shifts, so those steps take the
+    split step here, ``device_windows=False``)."""
     reqs = _requests(12, seed=seed)
     rows = {}
     for ahead in (True, False):
         cfg = EngineConfig(mode=mode, max_batch=3, backend="batched", cost_table=_free_table(),
-                           launch_ahead=ahead)  # fmt: skip
+                           launch_ahead=ahead, device_windows=False)  # fmt: skip
         rows[ahead] = _per_request(_run(cfg, reqs, stop_ids=(5,), eps=eps)[2])
     assert rows[True] == rows[False]
     assert mode == "static" or sum(len(r["pg"] or []) for x in rows[True].values() for r in x)

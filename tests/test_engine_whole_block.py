@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from dspark_obs.cost_table import AdditiveCostTable
 from dspark_obs.engine.acceptance import greedy_accept_argmax, greedy_accept_batch
 from dspark_obs.engine.batched import BatchedRuntime
+from dspark_obs.engine.block_verify import window_pack, windows_on_device
 from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.reference import ReferenceRuntime
-from dspark_obs.engine.scheduler import BudgetDecision, Scheduler
+from dspark_obs.engine.scheduler import BudgetDecision, Scheduler, allocate
+from dspark_obs.engine.slots import Pack
 from dspark_obs.engine.types import EngineConfig, GenRequest
 from dspark_obs.fanout import FanOut, MemorySink
 from tests.test_engine_batched import _models, _requests
@@ -101,13 +104,14 @@ def _records(target, drafter, cfg: EngineConfig, reqs: list[GenRequest]):
 
 
 def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    calls = {"whole": 0}
+    calls = {"whole": 0, "trimmed": 0}
     for cls in (BatchedRuntime, ReferenceRuntime):
         real = cls.verify_block
 
-        def spy(self, block, floor=None, _real=real):  # type: ignore[no-untyped-def]
+        def spy(self, block, floor=None, budget=None, _real=real, **kw):  # type: ignore[no-untyped-def]
             calls["whole"] += 1
-            return _real(self, block, floor)
+            calls["trimmed"] += budget is not None and budget < block.tokens.numel()
+            return _real(self, block, floor, budget, **kw)
 
         monkeypatch.setattr(cls, "verify_block", spy)
     return calls
@@ -126,13 +130,17 @@ def test_whole_block_steps_change_no_token_and_no_record(
     calls = _counting(monkeypatch)
     out = {}
     for whole in (True, False):
-        calls["whole"] = 0
+        calls["whole"] = calls["trimmed"] = 0
         cfg = EngineConfig(mode=mode, max_batch=3, backend=backend, cost_table=_mild_table(),
                            whole_block_verify=whole, launch_ahead=False)  # fmt: skip
         res, tables = _records(target, drafter, cfg, reqs)
-        out[whole] = (res.outputs, tables, res.steps, calls["whole"])
-    (outs_a, tables_a, steps, whole_steps), (outs_b, tables_b, _, none) = out[True], out[False]
+        out[whole] = (res.outputs, tables, res.steps, calls["whole"], calls["trimmed"])
+    (outs_a, tables_a, steps, whole_steps, trimmed), (outs_b, tables_b, _, none, _) = (
+        out[True], out[False]
+    )
     assert none == 0 and 0 < whole_steps < steps  # both kinds of step ran
+    # compact's trimmed budgets run as whole-block steps too (windows packed on the device)
+    assert (trimmed > 0) == (mode == "compact")
     assert outs_a == outs_b
     assert tables_a == tables_b
 
@@ -146,3 +154,51 @@ def test_a_greedy_static_run_verifies_whole_blocks_every_step(
     cfg = EngineConfig(mode="static", max_batch=3, backend="batched")
     res, _ = _records(target, drafter, cfg, reqs)
     assert calls["whole"] == res.steps > 0
+
+
+def test_device_windows_are_the_schedulers_allocation() -> None:
+    """The top-b rule on the device (a stable sort) against the host's lexsort, ties and
+    the survival floor included; rows from ``live`` on are padding and get 0."""
+    rng = np.random.default_rng(11)
+    for case in range(400):
+        bs, gamma = int(rng.integers(1, 9)), int(rng.integers(1, 7))
+        pad = int(rng.integers(0, 3))
+        levels = rng.choice([0.0, 1e-7, 0.25, 0.5, 0.5, 1.0], size=(bs + pad, gamma))
+        conf = levels if case % 2 else rng.random((bs + pad, gamma)) ** 0.3
+        survival = np.cumprod(conf.astype(np.float32), axis=1)
+        budget = int(rng.integers(0, bs * gamma + 2))
+        floor = float(rng.choice([1e-6, 0.3]))
+        got = windows_on_device(
+            torch.from_numpy(survival), torch.tensor([budget]),
+            torch.tensor([floor], dtype=torch.float32), torch.tensor([bs]),
+        ).numpy()  # fmt: skip
+        want = allocate(survival[:bs], min(budget, bs * gamma), survival_eps=floor)
+        assert got[:bs].tolist() == want.tolist()
+        assert not got[bs:].any()
+
+
+def test_a_device_pack_is_the_host_pack_of_the_same_windows() -> None:
+    rng = np.random.default_rng(12)
+    for _ in range(100):
+        bt, gamma = int(rng.integers(1, 7)), int(rng.integers(1, 6))
+        q = gamma + 1
+        live = int(rng.integers(1, bt + 1))
+        send = np.where(np.arange(bt) < live, rng.integers(1, q + 1, size=bt), 0)
+        rows = int(send.sum()) + int(rng.integers(0, 4))
+        start = rng.integers(0, 50, size=bt)
+        anchors = rng.integers(0, 100, size=bt)
+        drafts = rng.integers(0, 100, size=(bt, gamma))
+        tokens, slot, pos, qidx = window_pack(
+            torch.from_numpy(send), torch.from_numpy(start), torch.from_numpy(anchors),
+            torch.from_numpy(drafts), rows, trash=99,
+        )  # fmt: skip
+        grid = np.concatenate([anchors[:, None], drafts], axis=1)
+        want = Pack.build(
+            range(live), [grid[r, : send[r]].tolist() for r in range(live)], start[:live],
+            q=q, batch=bt, rows=rows, trash=99,
+        )  # fmt: skip
+        assert tokens.tolist() == want.tokens.tolist()
+        assert slot.tolist() == want.slot.tolist()
+        assert qidx.tolist() == want.qidx.tolist()
+        n = want.n
+        assert pos[:n].tolist() == want.pos[:n].tolist()  # padding positions: any (scratch)

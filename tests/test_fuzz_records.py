@@ -19,7 +19,7 @@ from typing import Any
 import pandas as pd
 import pyarrow as pa
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dspark_obs import rules, schema, validation
@@ -434,14 +434,16 @@ def test_a_column_of_the_wrong_kind_rejects_its_rows_not_the_batch(column: pa.Ar
              min_size=1, max_size=12),
     st.sampled_from(["text", "categorical"]),
 )
+@example(values=[-1, -2, 3], kind="text")  # -1 is kept (a suite run drew it; the test said >= 0)
 def test_any_text_in_a_numeric_column_rejects_only_its_row(values: list[Any], kind: str) -> None:
-    """prefix_len (int64, >= 0) as text: a row is kept iff its text is a valid value."""
+    """prefix_len (int64, >= -1: SGLang's unset sentinel) as text: a row is kept iff its text
+    is a valid value."""
     rows = [dict(TEMPLATES["req_steps"], forward_ct=9 + i) for i in range(len(values))]
     batch = pa.Table.from_pylist(rows)
     col = batch.column_names.index("prefix_len")
     batch = batch.set_column(col, "prefix_len", numbers_as(kind, values))
     kept, errors = validation.validate("req_steps", batch)
-    good = [i for i, v in enumerate(values) if isinstance(v, int) and v >= 0]
+    good = [i for i, v in enumerate(values) if isinstance(v, int) and v >= -1]
     assert kept.column("forward_ct").to_pylist() == [9 + i for i in good]
     assert kept.column("prefix_len").to_pylist() == [values[i] for i in good]
     assert sorted(e.row for e in errors) == sorted(set(range(len(values))) - set(good))

@@ -47,6 +47,8 @@ from dspark_obs.engine.block_verify import (
     accept_on_device,
     block_summary,
     survival_of,
+    window_pack,
+    windows_on_device,
 )
 from dspark_obs.engine.drafter import DraftBlock, Drafter
 from dspark_obs.engine.graph_plan import decode_graph_keys, dummy_inputs
@@ -124,8 +126,7 @@ class BatchedRuntime:
         self.key: tuple = ()  # shared_runtime's settings key
         self._anchors = np.zeros(1, dtype=np.int64)
         self._sts_rows: tuple[np.ndarray, np.ndarray] | None = None  # read at the first draft
-        self._layouts: dict[tuple[int, int, int, int], tuple[Tensor, Tensor]] = {}
-        self._floors: dict[float, Tensor] = {}
+        self._plans: dict[tuple[int, int, float, bool], Tensor] = {}
         self._sts_cache: dict[tuple, Tensor] = {}
         self.pool = self._new_pool(max_batch, max_len)
         # Prefill forwards: chunk widths (each a graph key part) and a token cap, so that
@@ -160,7 +161,7 @@ class BatchedRuntime:
             self._banks = {
                 "verify": GraphBank(self._verify_fn, self.device),
                 "prefill": GraphBank(self._prefill_fn, self.device),
-                "block": GraphBank(self._block_fn, self.device),
+                "block": GraphBank(self._block_fn, self.device, ("rows", "q", "span")),
                 "draft": GraphBank(self._draft_fn, self.device),
             }
         return pool
@@ -443,24 +444,35 @@ class BatchedRuntime:
             return bt, nt, True
         return batch, n, False
 
-    def verify_block(self, block: DraftBlock, floor: float | None = None) -> BlockVerified:
-        """Verify the anchor and every draft of slots ``0..B-1`` (B = the block's rows) and
+    def verify_block(
+        self,
+        block: DraftBlock,
+        floor: float | None = None,
+        budget: int | None = None,
+        *,
+        windows_only: bool = False,
+    ) -> BlockVerified:
+        """Verify the anchor and the drafts of slots ``0..B-1`` (B = the block's rows) and
         accept greedily, all on the device and under graphs in one replay (:meth:`_block_fn`):
-        the pack's positions come from the device lengths, its tokens from the device anchors
-        and the drafts (see :mod:`~dspark_obs.engine.block_verify`), and the acceptance
-        (windows cut at survival ``floor``) advances the device lengths and anchors, so the
-        next draft can launch before the host reads this one. The host commits each row with
-        ``commit(..., on_device=True)``. The target runs the forward :meth:`forward` runs,
-        so the numbers are the same too; its logits stay in the model's dtype (the argmax of
-        the same values; :meth:`BlockVerified.rows` reads them in float32)."""
+        the windows are allocated from the live survival (``budget`` drafts in all, the
+        top-``b`` rule, candidates from ``floor`` up; None: every candidate), the pack's
+        positions come from the device lengths, its tokens from the device anchors and the
+        drafts (see :mod:`~dspark_obs.engine.block_verify`); ``windows_only`` sends only the windows
+        (``B + budget`` tokens at most), else every block. The acceptance (within the windows)
+        advances the device lengths and anchors, so the next draft can launch before the host
+        reads this one. The host commits each row with ``commit(..., on_device=True)``. The
+        target runs the forward :meth:`forward` runs, so the numbers are the same too; its
+        logits stay in the model's dtype (the argmax of the same values;
+        :meth:`BlockVerified.rows` reads them in float32)."""
         batch, gamma = block.tokens.shape
-        q, n = gamma + 1, batch * gamma + batch
+        q, full = gamma + 1, batch * gamma
+        budget = full if budget is None else max(0, min(int(budget), full))
+        n = batch + budget if windows_only else batch * q
         self._flush()
         end = self._longest(batch) + q
         if end > self.pool.max_len:
             raise RuntimeError(f"slot pool holds {self.pool.max_len} positions, step needs {end}")
         bt, nt, graphed = self._tiers(batch, n)
-        slot, qidx = self._block_layout(batch, q, bt, nt)
         span = self._span(end)
         inputs = {
             "drafts": block.tokens,
@@ -468,10 +480,9 @@ class BatchedRuntime:
             "logprobs": block.logprobs,
             "start": self._dlen[:bt],
             "anchors": self._danchor[:bt],
-            "slot": slot,
-            "qidx": qidx,
-            "floor": self._floor(floor),
-            "q": torch.empty(q, device=self.device),  # shape carriers (graph key parts)
+            "plan": self._plan(batch, budget, floor, windows_only),
+            "rows": torch.empty(nt, device=self.device),  # shape carriers (graph key parts)
+            "q": torch.empty(q, device=self.device),
             "span": torch.empty(span, device=self.device),
         }
         bank = "block" if graphed else "eager"
@@ -482,7 +493,8 @@ class BatchedRuntime:
         self._dlen[:batch].copy_(new_len[:batch])
         self._danchor[:batch].copy_(bonus[:batch])
         self._ahead_by[:batch] += 1
-        self.target.tokens_processed += n
+        if not windows_only:  # a windows-only pack's tokens are counted when read
+            self.target.tokens_processed += n
         summary = summary[:batch]
         copy = ready = None
         if self.asynchronous:  # started now; fetch() waits for this step only
@@ -490,7 +502,10 @@ class BatchedRuntime:
             copy.copy_(summary, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        return BlockVerified(logits[:n].view(batch, q, -1), summary, gamma, copy, ready)
+        return BlockVerified(
+            logits[:n], summary, gamma, copy, ready, windows_only=windows_only,
+            counts_into=self.target if windows_only else None,
+        )  # fmt: skip
 
     def _block_fn(
         self,
@@ -499,48 +514,49 @@ class BatchedRuntime:
         logprobs: Tensor,
         start: Tensor,
         anchors: Tensor,
-        slot: Tensor,
-        qidx: Tensor,
-        floor: Tensor,
+        plan: Tensor,
+        rows: Tensor,
         q: Tensor,
         span: Tensor,
     ) -> tuple[Tensor, ...]:
-        """A whole-block verify of the ``bt`` grid rows (graph-safe): the pack (row r is grid
-        cell r: slot r // q, position start + r % q; rows past the real ones are padding,
-        which ``slot`` sends to the scratch slot), the target forward, the greedy acceptance
-        and the host summary. Returns logits, summary, the new lengths and anchors."""
-        bt, nq, nt = start.shape[0], q.shape[0], slot.shape[0]
-        tokens = torch.cat([anchors[:, None], drafts], dim=1).reshape(-1)
-        pos = (start[:, None] + torch.arange(nq, device=start.device)).reshape(-1)
-        tokens, pos = _fit(tokens, nt), _fit(pos, nt)
+        """A whole-block verify of the ``bt`` grid rows (graph-safe): the windows
+        (:func:`windows_on_device`; ``plan`` = live rows, budget, floor, windows only), the pack of
+        ``rows`` rows (:func:`window_pack`: each live row's window, or its whole block; grid
+        row r is slot r; rows past the real ones are padding into the scratch slot), the
+        target forward, the greedy acceptance and the host summary. Returns logits, summary,
+        the new lengths and anchors."""
+        bt, nq = start.shape[0], q.shape[0]
+        live, budget = plan[0:1].long(), plan[1:2].long()
+        floor, windows_only = plan[2:3], plan[3:4] > 0
+        survival = survival_of(conf)
+        window = windows_on_device(survival, budget, floor, live)
+        whole = torch.where(torch.arange(bt, device=start.device) < live, nq, 0)
+        send = torch.where(windows_only, window, whole)
+        tokens, slot, pos, qidx = window_pack(
+            send, start, anchors, drafts, rows.shape[0], self.pool.trash
+        )
         states = self._states(
             tokens=tokens, slot=slot, pos=pos, qidx=qidx, past=start, q=q, span=span
         )
         logits = self.target.lm_head(states)  # the model's dtype: rows are upcast where read
-        pred = _fit(logits.argmax(-1), bt * nq).view(bt, nq)
-        survival = survival_of(conf)
-        keep, bonus = accept_on_device(drafts, pred, survival, floor)
-        summary = block_summary(drafts, conf, logprobs, survival, pred, keep)
+        grid = torch.full((bt * nq + 1,), -1, dtype=torch.long, device=start.device)
+        pred = grid.scatter_(0, qidx, logits.argmax(-1))[: bt * nq].view(bt, nq)
+        keep, bonus = accept_on_device(drafts, pred, window)
+        summary = block_summary(drafts, conf, logprobs, survival, pred, keep, window)
         return logits, summary, start + keep + 1, bonus
 
-    def _floor(self, floor: float | None) -> Tensor:
-        """The survival floor as a device scalar (-1: none, every survival clears it)."""
-        value = -1.0 if floor is None else float(floor)
-        if self._floors.get(value) is None:
-            self._floors[value] = torch.tensor([value], dtype=torch.float32, device=self.device)
-        return self._floors[value]
-
-    def _block_layout(self, batch: int, q: int, bt: int, nt: int) -> tuple[Tensor, Tensor]:
-        """The slot and grid-cell arrays of a whole-block pack (:meth:`Pack.layout` for ``q``
-        tokens in each of slots ``0..batch-1``, padded to ``(bt, nt)``), on the device."""
-        key = (batch, q, bt, nt)
-        if key not in self._layouts:
-            pack = Pack.layout(
-                range(batch), np.full(batch, q, dtype=np.int64), np.zeros(batch, dtype=np.int64),
-                q=q, batch=bt, rows=nt, trash=self.pool.trash,
-            )  # fmt: skip
-            self._layouts[key] = (self._device(pack.slot), self._device(pack.qidx))
-        return self._layouts[key]
+    def _plan(self, batch: int, budget: int, floor: float | None, windows_only: bool) -> Tensor:
+        """A whole-block step's plan as a device vector (live rows, budget, floor, windows only; -1
+        floor: none, every survival clears it), kept per value: a steady batch uploads
+        nothing."""
+        key = (batch, budget, -1.0 if floor is None else float(floor), windows_only)
+        cached = self._plans.get(key)
+        if cached is None:
+            if len(self._plans) > 256:
+                self._plans.clear()
+            value = np.array([batch, budget, key[2], float(windows_only)], dtype=np.float32)
+            cached = self._plans[key] = self._device(value)
+        return cached
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> Tensor:
         """Run prompts into empty slots together: float logits [k, V] of each prompt's last
@@ -628,9 +644,10 @@ class BatchedRuntime:
             probs[idx] = sub.probs
         return DraftBlock(tokens, lps, probs, z, conf)
 
-    def graph_keys(self, span_end: int) -> list[tuple[str, tuple]]:
+    def graph_keys(self, span_end: int, trims: bool = False) -> list[tuple[str, tuple]]:
         """The verify and draft graphs a decode step can replay while every slot ends before
-        ``span_end`` (what :meth:`capture` takes at start-up)."""
+        ``span_end`` (what :meth:`capture` takes at start-up; ``trims``: compact budgets may
+        trim a whole-block step's pack)."""
         spans = sorted({self._span(e) for e in (64, *self.length_tiers) if e <= span_end})
         return decode_graph_keys(
             self.gamma,
@@ -638,16 +655,23 @@ class BatchedRuntime:
             [b for b in self.batch_tiers if b <= self.pool.slots],
             self.token_tiers,
             drafting=self.drafter is not None,
+            trims=trims,
         )
 
-    def capture(self, span_end: int, progress: Callable[[str], None] | None = None) -> int:
+    def capture(
+        self,
+        span_end: int,
+        progress: Callable[[str], None] | None = None,
+        *,
+        trims: bool = False,
+    ) -> int:
         """Capture the decode step's CUDA graphs up front (they are otherwise captured on
         first use, inside a step): returns how many were new. A no-op without graphs."""
         if not self.graphs_on:
             return 0
         if self.used:
             raise RuntimeError("capture graphs before any request runs (drafting writes slots)")
-        todo = [(b, k) for b, k in self.graph_keys(span_end) if k not in self._banks[b]]
+        todo = [(b, k) for b, k in self.graph_keys(span_end, trims) if k not in self._banks[b]]
         t0 = time.perf_counter()
         for i, (bank, key) in enumerate(todo, 1):
             self._banks[bank].capture(key, dummy_inputs(bank, key, self.device, self.pool.trash))

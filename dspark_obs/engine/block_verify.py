@@ -8,15 +8,20 @@ its tokens are gathered on the device from the draft outputs, so the device runs
 verify back to back and accepts greedily (:func:`accept_on_device`), and the step's single
 device-to-host copy (:meth:`BlockVerified.fetch`) carries what the host needs afterwards:
 drafts, confidences, draft log q, survival, the target's argmax and the device's acceptance.
-The host plans the per-request windows from that copy and checks the acceptance against its
-own rule; the extra rows of a window cut by the survival floor were computed like tier
-padding and are never committed.
+The per-request windows are allocated on the device too (:func:`windows_on_device`: the
+scheduler's top-``b`` rule on the live survival, with the batch budget ``b`` the host decided
+from lagged survival before the step), so a ``compact`` step whose budget trims packs only its
+windows (:func:`window_pack`) and still needs no host value before its verify. The host plans
+the windows again from the copy and checks both the windows and the acceptance against its own
+rules; rows verified past a window (``static`` and ``cap-accept`` send whole blocks) were
+computed like tier padding and are never committed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,6 +34,8 @@ __all__ = [
     "accept_on_device",
     "block_summary",
     "survival_of",
+    "window_pack",
+    "windows_on_device",
 ]
 
 
@@ -40,8 +47,9 @@ class BlockHost:
     confidence: np.ndarray  # [B, gamma] float32
     logprobs: np.ndarray  # [B, gamma] float32: log q of each draft
     survival: np.ndarray  # [B, gamma] float32: cumulative product of the confidences
-    argmax: np.ndarray  # [B, gamma + 1] int64: the target's argmax per verified row
+    argmax: np.ndarray  # [B, gamma + 1] int64: the target's argmax per row (-1: not verified)
     keep: np.ndarray  # [B] int64: drafts the device accepted (see accept_on_device)
+    window: np.ndarray  # [B] int64: the device's verify_len per row (see windows_on_device)
 
     def rows(self, index: np.ndarray) -> BlockHost:
         """These rows only (requests still running when the step is read)."""
@@ -60,19 +68,58 @@ def survival_of(confidence: Tensor) -> Tensor:
     return torch.stack(cols, dim=1)
 
 
-def accept_on_device(
-    drafts: Tensor, argmax: Tensor, survival: Tensor, floor: float | Tensor | None
-) -> tuple[Tensor, Tensor]:
+def windows_on_device(survival: Tensor, budget: Tensor, floor: Tensor, live: Tensor) -> Tensor:
+    """``verify_len`` per row (anchor included) on the device, graph-safe:
+    :func:`~dspark_obs.engine.scheduler.allocate` for rows ``< live``, whose drafts are
+    candidates where their survival reaches ``floor``, ``budget`` of them taken by (higher
+    survival, lower position, lower row); rows from ``live`` on (tier padding, or requests
+    not running) get 0. ``budget``, ``floor`` and ``live`` are one-element tensors.
+
+    The ranking is a stable descending sort of the survivals laid out position-major (index
+    ``j * B + r``), so equal values keep (lower position, lower row) order, as the host's
+    lexsort ranks them."""
+    rows, gamma = survival.shape
+    alive = torch.arange(rows, device=survival.device) < live
+    cand = (alive[:, None] & (survival >= floor)).t().reshape(-1)
+    vals = torch.where(cand, survival.t().reshape(-1), float("-inf"))
+    order = torch.sort(vals, descending=True, stable=True).indices
+    places = torch.arange(order.numel(), device=order.device)
+    rank = torch.empty_like(order).scatter_(0, order, places)
+    counts = ((rank < budget) & cand).view(gamma, rows).sum(dim=0)
+    return torch.where(alive, counts + 1, 0)
+
+
+def window_pack(
+    send: Tensor, start: Tensor, anchors: Tensor, drafts: Tensor, rows: int, trash: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(tokens, slot, pos, qidx)`` of a pack of ``rows`` rows holding, for each grid row
+    ``r``, its first ``send[r]`` tokens (the anchor, then its drafts) into slot ``r`` at
+    positions ``start[r] + j`` (grid cell ``r * q + j``); rows past ``sum(send)`` are padding
+    into the scratch slot ``trash`` (:meth:`Pack.layout`'s arrays, built on the device from
+    lengths the host does not know)."""
+    batch, q = drafts.shape[0], drafts.shape[1] + 1
+    ends = send.cumsum(0)
+    i = torch.arange(rows, device=send.device)
+    owner = torch.searchsorted(ends, i, right=True).clamp(max=batch - 1)
+    j = (i - (ends - send)[owner]).clamp(0, q - 1)
+    real = i < ends[-1]
+    grid = torch.cat([anchors[:, None], drafts], dim=1)
+    tokens = torch.where(real, grid[owner, j], 0)
+    slot = torch.where(real, owner, trash)
+    pos = torch.where(real, start[owner] + j, 0)
+    qidx = torch.where(real, owner * q + j, batch * q)
+    return tokens, slot, pos, qidx
+
+
+def accept_on_device(drafts: Tensor, argmax: Tensor, window: Tensor) -> tuple[Tensor, Tensor]:
     """Greedy acceptance of a whole-block verify on the device: ``(keep, bonus)`` per row,
-    the leading drafts equal to the target's argmax, capped to the window a full budget gives
-    (``1 +`` the drafts whose survival reaches ``floor``, a number or a one-element tensor;
-    every draft when ``floor`` is None), and the target's token after them. The same rule
-    as :func:`~dspark_obs.engine.acceptance.greedy_accept_batch` on the host, which checks it
-    (the host reads ``keep`` back)."""
+    the leading drafts equal to the target's argmax, capped to ``window - 1`` (the row's
+    ``verify_len``; a row with window 0 keeps 0), and the target's token after them. The same
+    rule as :func:`~dspark_obs.engine.acceptance.greedy_accept_batch` on the host, which
+    checks it (the host reads ``keep`` back)."""
     gamma = drafts.shape[1]
     keep = (drafts == argmax[:, :gamma]).long().cumprod(dim=1).sum(dim=1)
-    if floor is not None:
-        keep = torch.minimum(keep, (survival >= floor).sum(dim=1))
+    keep = torch.minimum(keep, (window - 1).clamp(min=0))
     return keep, argmax.gather(1, keep[:, None])[:, 0]
 
 
@@ -83,11 +130,15 @@ def block_summary(
     survival: Tensor,
     argmax: Tensor,
     keep: Tensor,
+    window: Tensor,
 ) -> Tensor:
-    """One float32 tensor [B, 5 * gamma + 2] holding what :class:`BlockHost` reads (token ids
+    """One float32 tensor [B, 5 * gamma + 3] holding what :class:`BlockHost` reads (token ids
     below 2 ** 24 are exact in float32: SmolLM2's vocabulary is 49,152)."""
     bs = tokens.shape[0]
-    parts = (tokens, confidence, logprobs, survival, argmax.reshape(bs, -1), keep[:, None])
+    parts = (
+        tokens, confidence, logprobs, survival, argmax.reshape(bs, -1), keep[:, None],
+        window[:, None],
+    )  # fmt: skip
     return torch.cat([p.float() for p in parts], dim=1)
 
 
@@ -95,9 +146,11 @@ def block_summary(
 class BlockVerified:
     """One whole-block verify, launched (nothing read back yet).
 
-    ``logits``: per request its ``gamma + 1`` rows (a ``[B, gamma + 1, V]`` device tensor in
-    the model's dtype, valid until the runtime's next verify unless :meth:`keep_logits` copied
-    it, or a list); :meth:`rows` reads them in float32. ``summary``: see
+    ``logits``: the verified rows, a list per request, or the pack's rows (a ``[N, V]``
+    device tensor in the model's dtype, valid until the runtime's next verify unless
+    :meth:`keep_logits` copied it), row ``r``'s at ``offsets[r]`` on, ``sent[r]`` of them
+    (``sent``: the device windows when ``windows_only``, else ``gamma + 1`` each, known after
+    :meth:`fetch`); :meth:`rows` reads them in float32. ``summary``: see
     :func:`block_summary`; ``copy``: its host copy, when the runtime started it
     asynchronously (``ready`` is then the event it is complete at)."""
 
@@ -106,6 +159,11 @@ class BlockVerified:
     gamma: int
     copy: Tensor | None = None
     ready: torch.cuda.Event | None = None
+    windows_only: bool = False
+    offsets: np.ndarray | None = None
+    counts_into: Any = None
+    """A windows-only pack's target (its ``tokens_processed`` gains the windows' tokens at
+    :meth:`fetch`: the runtime does not know them when it launches)."""
 
     def keep_logits(self) -> None:
         """Copy the logits out of the runtime's buffer (the next verify may reuse it), for a
@@ -121,19 +179,27 @@ class BlockVerified:
         else:
             host = self.summary.cpu().numpy()
         g = self.gamma
-        return BlockHost(
+        out = BlockHost(
             drafts=host[:, :g].astype(np.int64),
             confidence=np.ascontiguousarray(host[:, g : 2 * g]),
             logprobs=np.ascontiguousarray(host[:, 2 * g : 3 * g]),
             survival=np.ascontiguousarray(host[:, 3 * g : 4 * g]),
             argmax=host[:, 4 * g : 5 * g + 1].astype(np.int64),
             keep=host[:, 5 * g + 1].astype(np.int64),
+            window=host[:, 5 * g + 2].astype(np.int64),
         )
+        if isinstance(self.logits, Tensor):
+            sent = out.window if self.windows_only else np.full(len(out.window), g + 1)
+            self.offsets = np.cumsum(sent) - sent
+        if self.counts_into is not None:
+            self.counts_into.tokens_processed += int(out.window.sum())
+            self.counts_into = None
+        return out
 
     def rows(self, send: np.ndarray, index: np.ndarray | None = None) -> LogitRows:
         """Per request the logits rows its window verified (the first ``send[i]``) of rows
-        ``index`` (default: every row)."""
-        return LogitRows(self.logits, send, index)
+        ``index`` (default: every row); after :meth:`fetch`."""
+        return LogitRows(self.logits, send, index, self.offsets)
 
 
 class LogitRows(Sequence[Tensor]):
@@ -142,11 +208,18 @@ class LogitRows(Sequence[Tensor]):
     penalties, need their rows)."""
 
     def __init__(
-        self, logits: Tensor | Sequence[Tensor], send: np.ndarray, index: np.ndarray | None
+        self,
+        logits: Tensor | Sequence[Tensor],
+        send: np.ndarray,
+        index: np.ndarray | None,
+        offsets: np.ndarray | None = None,
     ) -> None:
+        """``offsets``: where each row's rows start in ``logits`` (a pack's rows [N, V]); None:
+        ``logits[row]`` holds the row's rows."""
         self._logits = logits
         self._send = send
         self._index = np.arange(len(send)) if index is None else index
+        self._offsets = offsets
 
     def __len__(self) -> int:
         return len(self._send)
@@ -154,4 +227,8 @@ class LogitRows(Sequence[Tensor]):
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        return self._logits[int(self._index[i])][: int(self._send[i])].float()
+        row, n = int(self._index[i]), int(self._send[i])
+        if self._offsets is None:
+            return self._logits[row][:n].float()
+        at = int(self._offsets[row])
+        return self._logits[at : at + n].float()

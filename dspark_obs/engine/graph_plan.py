@@ -9,8 +9,9 @@ Keys, per bank (the runtime's graph banks):
 
 * ``verify``: ``(q, batch tier, token tier, span, gather)`` -- a packed forward of up to ``q``
   tokens per row (:meth:`BatchedRuntime.forward`);
-* ``block``: ``(q, batch tier, token tier, span)`` -- a whole-block verify with its greedy
-  acceptance (:meth:`BatchedRuntime.verify_block`);
+* ``block``: ``(q, batch tier, token tier, span)`` -- a whole-block verify with its windows
+  and greedy acceptance (:meth:`BatchedRuntime.verify_block`); a ``compact`` step whose budget
+  trims packs fewer tokens, so with ``trims`` every token tier up to the block's is a key;
 * ``draft``: ``(batch tier, gamma, span)`` -- the drafter's block pass and greedy chain.
 """
 
@@ -33,18 +34,21 @@ def decode_graph_keys(
     token_tiers: Sequence[int],
     *,
     drafting: bool,
+    trims: bool = False,
 ) -> list[tuple[str, tuple]]:
     """Every ``(bank, key)`` a decode step of ``gamma`` drafts can replay at these key spans
     and batch tiers (ascending; those the pool holds): for each batch tier the verify token
-    tiers above the tier below it, the block tiers its batch sizes pad to, and (``drafting``)
-    its draft graph."""
+    tiers above the tier below it, the block tiers its batch sizes pad to (``trims``: also
+    those of every trimmed budget, ``b + budget`` tokens for ``b`` requests), and
+    (``drafting``) its draft graph."""
     q = gamma + 1
     keys: list[tuple[str, tuple]] = []
     low = 0
     for bt in batch_tiers:
         for nt in (t for t in token_tiers if low < t <= bt * q):
             keys += [("verify", (q, bt, nt, span, False)) for span in spans]
-        for nt in sorted({tier_of(b * q, token_tiers) for b in range(low + 1, bt + 1)}):
+        counts = range(low + 1, bt * q + 1) if trims else range((low + 1) * q, bt * q + 1, q)
+        for nt in sorted({tier_of(n, token_tiers) for n in counts}):
             keys += [("block", (q, bt, nt, span)) for span in spans]
         if drafting:
             keys += [("draft", (bt, gamma, span)) for span in spans]
@@ -72,9 +76,8 @@ def dummy_inputs(bank: str, key: tuple, device: torch.device, trash: int) -> dic
             "logprobs": torch.zeros(bt, q - 1, device=dev),
             "start": torch.zeros(bt, dtype=torch.long, device=dev),
             "anchors": torch.zeros(bt, dtype=torch.long, device=dev),
-            "slot": torch.full((nt,), trash, dtype=torch.long, device=dev),
-            "qidx": torch.full((nt,), bt * q, dtype=torch.long, device=dev),
-            "floor": torch.full((1,), -1.0, device=dev),
+            "plan": torch.tensor([0.0, 0.0, -1.0, 0.0], device=dev),  # no live row: all padding
+            "rows": torch.empty(nt, device=dev),
             "q": torch.empty(q, device=dev),
             "span": torch.empty(span, device=dev),
         }

@@ -22,6 +22,7 @@ from dspark_obs.engine.block_verify import (
     accept_on_device,
     block_summary,
     survival_of,
+    windows_on_device,
 )
 from dspark_obs.engine.drafter import DraftBlock, Drafter
 from dspark_obs.engine.drafter_cache import DrafterCache
@@ -165,17 +166,36 @@ class ReferenceRuntime:
         argmax = [row.argmax(-1).cpu().numpy() for row in out.logits]
         return ReferenceVerified(list(out.logits), argmax)
 
-    def verify_block(self, block: DraftBlock, floor: float | None = None) -> BlockVerified:
-        """Verify the anchor and every draft of slots ``0..B-1`` (one :meth:`forward`); the
-        acceptance it reports (``keep``) is the batched runtime's rule, but the caches move
-        only when the host commits (this runtime never launches a step ahead)."""
+    def verify_block(
+        self,
+        block: DraftBlock,
+        floor: float | None = None,
+        budget: int | None = None,
+        *,
+        windows_only: bool = False,
+    ) -> BlockVerified:
+        """Verify the anchor and the drafts of slots ``0..B-1`` (one :meth:`forward`): the
+        windows, the pack (``windows_only``: the windows only) and the acceptance it reports are the
+        batched runtime's rules, but the caches move only when the host commits (this
+        runtime never launches a step ahead)."""
         batch, gamma = block.tokens.shape
-        drafts = block.tokens.tolist()
-        rows = [[self._slot(i).anchor, *drafts[i]] for i in range(batch)]
-        out = self.forward(range(batch), rows)
-        argmax = torch.from_numpy(np.stack(out.argmax))
         tokens, conf = block.tokens.cpu(), block.confidence.cpu()
         survival = survival_of(conf)
-        keep, _ = accept_on_device(tokens, argmax, survival, floor)
-        summary = block_summary(tokens, conf, block.logprobs.cpu(), survival, argmax, keep)
-        return BlockVerified(out.logits, summary, gamma)
+        full = batch * gamma
+        budget = full if budget is None else max(0, min(int(budget), full))
+        window = windows_on_device(
+            survival,
+            torch.tensor([budget]),
+            torch.tensor([-1.0 if floor is None else float(floor)], dtype=torch.float32),
+            torch.tensor([batch]),
+        )
+        drafts = tokens.tolist()
+        sent = window.tolist() if windows_only else [gamma + 1] * batch
+        rows = [[self._slot(i).anchor, *drafts[i][: sent[i] - 1]] for i in range(batch)]
+        out = self.forward(range(batch), rows)
+        argmax = torch.full((batch, gamma + 1), -1, dtype=torch.long)
+        for i, pred in enumerate(out.argmax):
+            argmax[i, : len(pred)] = torch.from_numpy(pred)
+        keep, _ = accept_on_device(tokens, argmax, window)
+        summary = block_summary(tokens, conf, block.logprobs.cpu(), survival, argmax, keep, window)
+        return BlockVerified(out.logits, summary, gamma, windows_only=windows_only)

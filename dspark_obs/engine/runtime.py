@@ -114,11 +114,20 @@ class Runtime(Protocol):
         """Run ``tokens[i]`` at the end of slot ``slots[i]`` (one packed forward)."""
         ...
 
-    def verify_block(self, block: DraftBlock, floor: float | None = None) -> BlockVerified:
-        """Verify the anchor and all drafts of slots ``0..B-1`` (B = the block's rows), the
-        drafts staying on the device, and accept greedily within the windows a full budget
-        gives (drafts whose survival is below ``floor`` are not accepted; None: all may be);
-        ``fetch()`` on the result is the one read-back."""
+    def verify_block(
+        self,
+        block: DraftBlock,
+        floor: float | None = None,
+        budget: int | None = None,
+        *,
+        windows_only: bool = False,
+    ) -> BlockVerified:
+        """Verify the anchor and the drafts of slots ``0..B-1`` (B = the block's rows), the
+        drafts staying on the device, and accept greedily within windows allocated there from
+        the live survival: ``budget`` drafts in all (None: every candidate), by the
+        scheduler's top-``b`` rule, drafts whose survival is below ``floor`` never (None: all
+        are candidates); ``windows_only`` sends only the windows, else every block. ``fetch()`` on
+        the result is the one read-back."""
         ...
 
 
@@ -154,5 +163,8 @@ def engine_runtime(
         prefer=prefer if isinstance(prefer, BatchedRuntime) else None,
     )  # fmt: skip
     if cfg.capture_graphs:
-        batched.capture(max_len, lambda line: print(line, file=sys.stderr))
+        table = cfg.cost_table
+        trims = cfg.mode == "compact" and cfg.device_windows
+        trims = trims and table is not None and not table.uninitialized
+        batched.capture(max_len, lambda line: print(line, file=sys.stderr), trims=trims)
     return batched

@@ -16,13 +16,15 @@ running batch (ordered by slot), and gets back the requests that finished.
 
 The record work of step k runs while the device drafts step k + 1 (``overlap``), or right away.
 
-A step that verifies every block (:meth:`StepPipeline._whole_block`) runs 1-4 on the device
-without a host value in between (:meth:`Runtime.verify_block`: greedy acceptance included),
-and on a runtime that can launch ahead it is read one call later, after the next such step
-launched from the device's own lengths and anchors (``EngineConfig.launch_ahead``): the
-host's per-request work of step k then overlaps the device's step k + 1. Any other step (the
-split step: the plan needs the current survival, or rows are sampled, penalized or masked)
-reads the drafts back before it verifies, after the step in flight was read.
+A whole-block step (:meth:`StepPipeline._whole_block`: every row greedy and unpenalized) runs
+1-4 on the device without a host value in between (:meth:`Runtime.verify_block`: the windows,
+allocated there from the live survival under the budget the host took from the lagged one,
+and the greedy acceptance included), and on a runtime that can launch ahead it is read one
+call later, after the next such step launched from the device's own lengths and anchors
+(``EngineConfig.launch_ahead``): the host's per-request work of step k then overlaps the
+device's step k + 1. Any other step (the split step: rows are sampled, penalized or masked,
+or a ``cap-accept`` budget trims) reads the drafts back before it verifies, after the step in
+flight was read.
 """
 
 from __future__ import annotations
@@ -203,7 +205,9 @@ class StepPipeline:
         if events:
             events[2].record()
         floor = None if self.cfg.mode == "static" else self.scheduler.survival_floor
-        verified = self.rt.verify_block(block, floor)
+        budget = None if decision is None else decision.budget
+        windows_only = self.cfg.mode == "compact"  # it sends verify_len tokens per request
+        verified = self.rt.verify_block(block, floor, budget, windows_only=windows_only)
         if events:
             events[3].record()
         t_end = time.perf_counter()
@@ -226,18 +230,30 @@ class StepPipeline:
         if not len(index):
             return []  # everyone finished while it ran
         lives = [launched.running[i] for i in index]
+        launched_host = host
         if len(index) < len(launched.running):
             host = host.rows(index)
         bs = len(lives)
         if cfg.mode == "static":
             budget, verify_lens = bs * gamma, np.full(bs, gamma + 1, dtype=np.int64)
             decision = None
+        elif launched.decision is not None and launched.decision.budget < (
+            len(launched.running) * gamma
+        ):  # the budget trims: the device shared it over every row it launched
+            rids = [r.req.rid for r in launched.running]
+            budget, lens = self.scheduler.plan(rids, launched_host.survival, launched.decision)
+            decision, verify_lens = self.scheduler.last_decision, lens[index]
         else:
             rids = [r.req.rid for r in lives]
             budget, verify_lens = self.scheduler.plan(rids, host.survival, launched.decision)
             decision = self.scheduler.last_decision
             if budget < bs * gamma:
                 raise RuntimeError(f"budget {budget} is less than the full one planned ahead")
+        if not np.array_equal(verify_lens, host.window):
+            raise RuntimeError(
+                f"the device's windows {host.window.tolist()} differ from the scheduler's "
+                f"{verify_lens.tolist()}"
+            )
         send = verify_lens if cfg.mode == "compact" else np.full(bs, gamma + 1, dtype=np.int64)
         window = verify_lens if cfg.mode == "cap-accept" else None
         vocab = self.target.cfg.vocab_size
@@ -451,11 +467,14 @@ class StepPipeline:
         return done, outcomes
 
     def _whole_block(self, running: list[Live], pending: int) -> tuple[bool, BudgetDecision | None]:
-        """Whether this step verifies every request's whole block, decided before it drafts
-        (``pending``: earlier steps not read yet), and the budget decision it launches with:
-        every row greedy, with no penalty and no ``min_new_tokens`` mask (those rewrite the
-        target rows on the host), and a budget (from lagged survival) covering every draft.
-        Such a step runs draft and verify back to back (:meth:`Runtime.verify_block`)."""
+        """Whether this step runs draft and verify back to back (:meth:`Runtime.
+        verify_block`), decided before it drafts (``pending``: earlier steps not read yet),
+        and the budget decision it launches with: every row greedy, with no penalty and no
+        ``min_new_tokens`` mask (those rewrite the target rows on the host), and a budget
+        (from lagged survival) that covers every draft, or trims a ``compact`` step
+        (``EngineConfig.device_windows``: its windows are then allocated and packed on the
+        device). A trimmed ``cap-accept`` step keeps the split step's two forwards, so that
+        it commits bitwise what its compact run commits."""
         cfg, q = self.cfg, self.cfg.gamma + 1
         if not cfg.whole_block_verify:
             return False, None
@@ -465,7 +484,11 @@ class StepPipeline:
         if cfg.mode == "static":
             return True, None
         decision = self.scheduler.decide_ahead([r.req.rid for r in running], pending)
-        if decision is None or decision.budget != len(running) * cfg.gamma:
+        if decision is None:
+            return False, None
+        if decision.budget < len(running) * cfg.gamma and not (
+            cfg.mode == "compact" and cfg.device_windows
+        ):
             return False, None
         return True, decision
 
