@@ -257,3 +257,57 @@ def test_a_request_that_grows_the_pool_mid_run_keeps_the_steps_in_flight() -> No
         )
         outs[ahead] = res.outputs
     assert outs[True] == outs[False] and len(outs[True]["late"]) == 300
+
+
+def _graph_like_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every whole-block verify returns its logits in one shared buffer that the next verify
+    overwrites, as a CUDA graph's static output is (graphs share one memory pool); on the CPU
+    each eager call allocates its own, which would hide a record reading a stale buffer."""
+    real = BatchedRuntime.verify_block
+    shared: list[torch.Tensor] = []
+
+    def aliased(self, block, floor=None, budget=None, **kw):  # type: ignore[no-untyped-def]
+        out = real(self, block, floor, budget, **kw)
+        rows, vocab = out.logits.shape
+        if not shared or shared[0].shape[0] < rows:
+            shared[:] = [torch.empty(max(rows, 64), vocab, dtype=out.logits.dtype)]
+        shared[0][:rows].copy_(out.logits)
+        shared[0][rows:] = float("nan")
+        out.logits = shared[0][:rows]
+        return out
+
+    monkeypatch.setattr(BatchedRuntime, "verify_block", aliased)
+
+
+@pytest.mark.parametrize(("device_windows", "seed"), [(False, 11), (True, 2)])
+def test_launched_ahead_records_read_their_own_steps_logits(
+    device_windows: bool, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A launched-ahead step is read after the next one launched, and its records (the target
+    log p of drafts whose blocks it censors) are built later still: they must read that
+    step's own logits, not whatever a later verify wrote into the graph's buffer. Held to the
+    synchronous step, whose records read each step before the next one runs (step numbers
+    shift between the two, so the estimator entries are compared without theirs)."""
+    _graph_like_logits(monkeypatch)
+    reqs = _requests(12, seed=seed)
+    rows = {}
+    for ahead in (True, False):
+        cfg = EngineConfig(mode="compact", max_batch=3, backend="batched",
+                           cost_table=_free_table(), launch_ahead=ahead,
+                           device_windows=device_windows)  # fmt: skip
+        per_req = _per_request(_run(cfg, reqs, stop_ids=(5,), eps=1e-6)[2])
+        for req_rows in per_req.values():
+            for row in req_rows:
+                pg = row["pg"] or []
+                row["pg"] = [{k: v for k, v in e.items() if k != "src_fct"} for e in pg]
+        rows[ahead] = per_req
+    assert sum(len(r["pg"]) for x in rows[True].values() for r in x) > 0  # blocks resolved
+    # a trimmed budget is shared by a batch whose make-up shifts: compare what was read where
+    # the windows agree
+    compared = 0
+    for rid, ahead_rows in rows[True].items():
+        for a, s in zip(ahead_rows, rows[False][rid], strict=True):
+            if a["verify_len"] == s["verify_len"] and a["pg"] and s["pg"]:
+                assert a["pg"] == s["pg"]
+                compared += 1
+    assert compared > 0

@@ -157,8 +157,8 @@ class StepPipeline:
             if whole:
                 if self._records_read_logits:
                     run_pending(io.pending)  # they read the buffer this launch overwrites
-                if any(live.censored for live in running):
-                    inflight.verified.keep_logits()  # its records read these requests' rows
+                if self._records_may_read(running):
+                    inflight.verified.keep_logits()  # this launch overwrites the graph's buffer
                 self._inflight = self._launch(running, fct, decision, io.pending, ahead=True)
                 if cfg.overlap:
                     run_pending(io.pending)
@@ -465,6 +465,19 @@ class StepPipeline:
             live.anchor = committed[-1]
             self.rt.commit(live.slot, lengths_before[i] + keep, live.anchor, on_device=on_device)
         return done, outcomes
+
+    def _records_may_read(self, running: list[Live]) -> bool:
+        """Whether the records of the launched step not read yet may read its target rows: a
+        request still has censored blocks, or the step may open one (a window fully accepted
+        short of its block; only its read-back tells, and that comes after the next launch).
+        Windows fall short of the block only under a survival floor (a table or a forced
+        budget, which is what trims too); rows are greedy on this path, and SGLang's rule
+        (``estimator_rows="sglang"``) opens no block on greedy rows."""
+        if any(live.censored for live in running):
+            return True
+        if self.cfg.mode == "static" or self.cfg.estimator_rows == "sglang":
+            return False
+        return self.scheduler.survival_floor is not None
 
     def _whole_block(self, running: list[Live], pending: int) -> tuple[bool, BudgetDecision | None]:
         """Whether this step runs draft and verify back to back (:meth:`Runtime.
