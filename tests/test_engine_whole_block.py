@@ -16,6 +16,7 @@ from dspark_obs.engine.block_verify import window_pack, windows_on_device
 from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.reference import ReferenceRuntime
 from dspark_obs.engine.scheduler import BudgetDecision, Scheduler, allocate
+from dspark_obs.engine.session import Models, run_with_companion
 from dspark_obs.engine.slots import Pack
 from dspark_obs.engine.types import EngineConfig, GenRequest
 from dspark_obs.fanout import FanOut, MemorySink
@@ -202,3 +203,21 @@ def test_a_device_pack_is_the_host_pack_of_the_same_windows() -> None:
         assert qidx.tolist() == want.qidx.tolist()
         n = want.n
         assert pos[:n].tolist() == want.pos[:n].tolist()  # padding positions: any (scratch)
+
+
+def test_a_compact_run_paired_with_a_companion_keeps_its_trimmed_steps_split(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cap-accept companion's trimmed steps run the split step, whose forward shapes the
+    compact run of the pair must share (bf16 rounds by shape), so that run plans its trimmed
+    steps on the host; alone, compact packs them on the device."""
+    target, drafter = _models(7)
+    models = Models(target=target, drafter=drafter, tokenizer=None, stop_ids=(),
+                    model_name="tiny", drafter_name="tiny")  # fmt: skip
+    reqs = _requests(5, seed=8)
+    cfg = EngineConfig(mode="compact", max_batch=3, backend="batched", cost_table=_mild_table())
+    calls = _counting(monkeypatch)
+    run_with_companion(models, reqs, cfg, [MemorySink()], "paired", companion=True)
+    assert calls["whole"] > 0 and calls["trimmed"] == 0
+    _records(target, drafter, cfg, reqs)
+    assert calls["trimmed"] > 0

@@ -117,6 +117,10 @@ def run_with_companion(
         raise EngineError(
             "--companion pairs a compact run with a cap-accept run: use --mode compact"
         )
+    if companion:
+        # The pair must run the same forwards to commit the same tokens (bf16 rounds by
+        # shape): the companion's trimmed steps take the split step, so compact's do too.
+        config = replace(config, device_windows=False)
     engine = Engine(models.target, models.drafter, config, models.stop_ids)
     engine.check(requests)
     fan = FanOut(sinks)  # written by whoever emits: the record worker, for step records
