@@ -221,3 +221,44 @@ def test_a_compact_run_paired_with_a_companion_keeps_its_trimmed_steps_split(
     assert calls["whole"] > 0 and calls["trimmed"] == 0
     _records(target, drafter, cfg, reqs)
     assert calls["trimmed"] > 0
+
+
+def test_a_padded_block_step_computes_what_the_exact_one_does() -> None:
+    """What a captured graph sees (its batch and token tiers, rows past the live ones holding
+    whatever an earlier replay left: here confident drafts, which the allocation would favour
+    were they not masked), against the exact sizes the CPU runs: the live rows' windows,
+    acceptance, new lengths, anchors and logits agree, and the padding writes only the
+    scratch slot."""
+    target, drafter = _models(9)
+    rt = BatchedRuntime(target, drafter, max_batch=8, max_len=128, gamma=5)
+    prompts = _requests(3, seed=4)
+    for r in prompts:
+        rt.prefill([rt.acquire()], [r.prompt_ids])
+    block = rt.draft([0.0] * 3)
+    batch, gamma = block.tokens.shape
+    budget = 6
+    plan = rt._plan(batch, budget, 1e-6, True)
+
+    def run(bt: int, rows: int) -> tuple[torch.Tensor, ...]:
+        def pad(x: torch.Tensor, value: float) -> torch.Tensor:
+            return torch.cat([x, torch.full((bt - batch, *x.shape[1:]), value, dtype=x.dtype)])
+
+        kv_before = rt.pool.kv.clone()
+        out = rt._block_fn(
+            drafts=pad(block.tokens, 7), conf=pad(block.confidence.float(), 1.0),
+            logprobs=pad(block.logprobs.float(), 0.0), start=rt._dlen[:bt].clone(),
+            anchors=rt._danchor[:bt].clone(), plan=plan, rows=torch.empty(rows),
+            q=torch.empty(gamma + 1), span=torch.empty(64),
+        )  # fmt: skip
+        changed = (rt.pool.kv != kv_before).flatten(0, 1).any(dim=(-1, -2))  # [kv, slot, head]
+        return (*out, changed.any(dim=0).any(dim=-1))
+
+    logits_a, summary_a, len_a, bonus_a, touched_a = run(batch, batch + budget)
+    logits_b, summary_b, len_b, bonus_b, touched_b = run(batch + 3, 40)
+    assert torch.equal(summary_a, summary_b[:batch])
+    assert torch.equal(len_a, len_b[:batch]) and torch.equal(bonus_a, bonus_b[:batch])
+    n = int(summary_a[:, -1].sum())  # the windows' tokens
+    assert torch.allclose(logits_a[:n], logits_b[:n], atol=1e-5, rtol=0)
+    assert not summary_b[batch:, -1].any()  # padding rows get no window
+    trash = rt.pool.trash
+    assert not touched_b[batch:trash].any()  # no live slot past the batch was written
