@@ -12,7 +12,7 @@ import torch
 from dspark_obs.cost_table import AdditiveCostTable
 from dspark_obs.engine.acceptance import greedy_accept_argmax, greedy_accept_batch
 from dspark_obs.engine.batched import BatchedRuntime
-from dspark_obs.engine.block_verify import window_pack, windows_on_device
+from dspark_obs.engine.block_verify import LogitRows, window_pack, windows_on_device
 from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.reference import ReferenceRuntime
 from dspark_obs.engine.scheduler import BudgetDecision, Scheduler, allocate
@@ -20,6 +20,7 @@ from dspark_obs.engine.session import Models, run_with_companion
 from dspark_obs.engine.slots import Pack
 from dspark_obs.engine.types import EngineConfig, GenRequest
 from dspark_obs.fanout import FanOut, MemorySink
+from dspark_obs.testing.tiny_models import trimming_table
 from tests.test_engine_batched import _models, _requests
 
 VOLATILE = {"ts", "step_cpu_ms", "draft_gpu_ms", "target_verify_gpu_ms"}
@@ -27,10 +28,7 @@ VOLATILE = {"ts", "step_cpu_ms", "draft_gpu_ms", "target_verify_gpu_ms"}
 
 def _mild_table() -> AdditiveCostTable:
     """Verify tokens cost a little: confident batches verify everything, others trim."""
-    return AdditiveCostTable.from_dict({
-        "bias_seconds": 0.01, "bs_probes": [1, 16], "alpha_seconds": [0.0, 0.0],
-        "m_probes": [1, 8, 16, 64, 128], "theta_seconds": [0.0, 0.002, 0.005, 0.03, 0.08],
-    })  # fmt: skip
+    return trimming_table()
 
 
 def test_batch_acceptance_equals_per_request_acceptance() -> None:
@@ -262,3 +260,22 @@ def test_a_padded_block_step_computes_what_the_exact_one_does() -> None:
     assert not summary_b[batch:, -1].any()  # padding rows get no window
     trash = rt.pool.trash
     assert not touched_b[batch:trash].any()  # no live slot past the batch was written
+
+
+def test_stacked_rows_of_a_pack_are_the_rows_read_one_by_one() -> None:
+    """LogitRows.stacked gathers several requests' rows from a pack in one index: the same
+    float32 rows, in the same order, as reading each request's rows."""
+    rng = np.random.default_rng(13)
+    windows = np.array([3, 1, 6, 2, 4])
+    pack = torch.from_numpy(rng.standard_normal((int(windows.sum()) + 3, 7))).to(torch.bfloat16)
+    offsets = np.cumsum(windows) - windows
+    index = np.array([4, 0, 2, 3])  # the rows still running, in their order
+    send = windows[index] - np.array([0, 1, 2, 0])  # each reads a prefix of its window
+    rows = LogitRows(pack, send, index, offsets)
+    items = [2, 0, 3]
+    want = torch.cat([rows[i] for i in items])
+    assert want.dtype == torch.float32 and torch.equal(rows.stacked(items), want)
+    assert [rows.count(i) for i in items] == [int(send[i]) for i in items]
+    by_list = LogitRows([pack[o : o + w] for o, w in zip(offsets, windows, strict=True)],
+                        send, index)  # fmt: skip
+    assert torch.equal(by_list.stacked(items), want)

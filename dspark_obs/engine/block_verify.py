@@ -224,6 +224,20 @@ class LogitRows(Sequence[Tensor]):
     def __len__(self) -> int:
         return len(self._send)
 
+    def count(self, i: int) -> int:
+        """How many rows item ``i`` has (without slicing them)."""
+        return int(self._send[i])
+
+    def stacked(self, items: Sequence[int]) -> Tensor:
+        """The rows of ``items``, one item after another, in float32: one gather where they
+        sit in a pack (``offsets``), else one slice per item."""
+        if self._offsets is None or not isinstance(self._logits, Tensor):
+            return torch.cat([self[i] for i in items])
+        at = np.asarray(items, dtype=np.int64)
+        starts, n = self._offsets[self._index[at]], self._send[at].astype(np.int64)
+        idx = np.repeat(starts - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
+        return self._logits[torch.from_numpy(idx).to(self._logits.device)].float()
+
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]

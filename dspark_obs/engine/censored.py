@@ -50,21 +50,29 @@ class LogpAt:
         return float(self.values[r, self.col[int(token)]])
 
 
-def greedy_logprobs_at(rows: Sequence[torch.Tensor], cols: Sequence[Sequence[int]]) -> torch.Tensor:
+def greedy_logprobs_at(
+    rows: Sequence[torch.Tensor] | torch.Tensor,
+    cols: Sequence[Sequence[int]],
+    counts: Sequence[int] | None = None,
+) -> torch.Tensor:
     """For greedy requests: ``log_softmax(logits / 1e-5)`` of request i's rows at columns
     ``cols[i]``, flattened row-major per request, in float64 (float32 cannot hold the
-    normalizer of logits divided by 1e-5 to the precision ``exp`` needs). A few kernels for
-    all requests together, no ``[rows, vocab]`` output."""
-    x = torch.cat(list(rows)).double() / ESTIMATOR_MIN_TEMPERATURE
+    normalizer of logits divided by 1e-5 to the precision ``exp`` needs). ``rows``: each
+    request's rows, or all of them one request after another with ``counts`` rows each (one
+    gather from a pack instead of a slice per request). A few kernels for all requests
+    together, no ``[rows, vocab]`` output."""
+    if counts is None:
+        rows = list(rows)
+        counts = [r.shape[0] for r in rows]
+        rows = torch.cat(rows)
+    assert isinstance(rows, torch.Tensor)
+    x = rows.double() / ESTIMATOR_MIN_TEMPERATURE
     lse = torch.logsumexp(x, dim=-1)
-    counts = [r.shape[0] for r in rows]
-    starts = np.cumsum([0, *counts[:-1]])
-    r_idx = np.concatenate(
-        [
-            np.repeat(np.arange(a, a + n), len(c))
-            for a, n, c in zip(starts, counts, cols, strict=True)
-        ]
+    n = np.asarray(counts, dtype=np.int64)
+    width = np.fromiter((len(c) for c in cols), dtype=np.int64, count=len(cols))
+    r_idx = np.repeat(np.arange(int(n.sum())), np.repeat(width, n))  # each row, its widths
+    c_idx = np.concatenate(
+        [np.tile(np.asarray(c, dtype=np.int64), k) for c, k in zip(cols, n.tolist(), strict=True)]
     )
-    c_idx = np.concatenate([np.tile(np.asarray(c), n) for n, c in zip(counts, cols, strict=True)])
     r_t = torch.from_numpy(r_idx).to(x.device)
     return x[r_t, torch.from_numpy(c_idx).to(x.device)] - lse[r_t]

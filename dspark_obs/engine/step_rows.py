@@ -19,7 +19,7 @@ whose realized token differs from the draft (SGLang 0.5.23's JSONL semantics).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from dspark_obs.engine.acceptance import AcceptResult
+from dspark_obs.engine.block_verify import LogitRows
 from dspark_obs.engine.censored import Censored, LogpAt, greedy_logprobs_at, resolve, resolve_block
 from dspark_obs.engine.live import Live, Outcome
 from dspark_obs.engine.step_records import PgEntries, StepArrays
@@ -73,7 +74,7 @@ class StepResult:
     confidence: np.ndarray  # [bs, gamma]
     survival: np.ndarray  # [bs, gamma]
     draft_logprobs: torch.Tensor  # [bs, gamma], host
-    logits: list[torch.Tensor]  # per request: the (penalized, masked) target rows acceptance used
+    logits: Sequence[torch.Tensor]  # per request: the (penalized, masked) rows acceptance used
     adjusted: bool  # SGLang would call the batch's logits adjusted (see live.sglang_adjusts_logits)
 
     def arrays(self, cfg: EngineConfig, censors: Censors, logprobs: Logprobs) -> StepArrays:
@@ -153,16 +154,25 @@ class StepResult:
         logits = self.logits
         greedy = [(i, cols) for i, cols in wanted if self.running[i].greedy]
         sampled = [(i, cols) for i, cols in wanted if not self.running[i].greedy]
+        if isinstance(logits, LogitRows):  # a block verify's rows: counted without slicing
+            counts = {i: logits.count(i) for i, _ in wanted}
+        else:
+            counts = {i: logits[i].shape[0] for i, _ in wanted}
         parts = []
         if greedy:
-            parts.append(greedy_logprobs_at([logits[i] for i, _ in greedy], [c for _, c in greedy]))
+            items, cols = [i for i, _ in greedy], [c for _, c in greedy]
+            if isinstance(logits, LogitRows):  # one gather from the pack
+                stacked = logits.stacked(items)
+                parts.append(greedy_logprobs_at(stacked, cols, [counts[i] for i in items]))
+            else:
+                parts.append(greedy_logprobs_at([logits[i] for i in items], cols))
         for i, cols in sampled:
             idx = torch.tensor(cols, device=logits[i].device)
             parts.append(logprobs(logits[i], self.running[i])[:, idx].reshape(-1))
         flat = torch.cat(parts).cpu().numpy()
         at = 0
         for i, cols in greedy + sampled:
-            n = logits[i].shape[0] * len(cols)
+            n = counts[i] * len(cols)
             out[i] = LogpAt(flat[at : at + n].reshape(-1, len(cols)), cols)
             at += n
         return out

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from dspark_obs.cost_table import AdditiveCostTable
 from dspark_obs.engine.drafter import Drafter
 from dspark_obs.engine.drafter_config import DrafterConfig
 from dspark_obs.engine.model import ModelConfig, Target
@@ -80,3 +81,12 @@ def byte_models(seed: int = 0, gamma_max: int = 5) -> Models:
         model_name="tiny-random",
         drafter_name="tiny-random-drafter",
     )
+
+
+def trimming_table() -> AdditiveCostTable:
+    """A cost table whose verify tokens cost a little: confident batches verify everything,
+    others trim (so compact's windows, censored blocks and the estimator's work all run)."""
+    return AdditiveCostTable.from_dict({
+        "bias_seconds": 0.01, "bs_probes": [1, 16], "alpha_seconds": [0.0, 0.0],
+        "m_probes": [1, 8, 16, 64, 128], "theta_seconds": [0.0, 0.002, 0.005, 0.03, 0.08],
+    })  # fmt: skip
