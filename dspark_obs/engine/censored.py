@@ -71,8 +71,11 @@ def greedy_logprobs_at(
     n = np.asarray(counts, dtype=np.int64)
     width = np.fromiter((len(c) for c in cols), dtype=np.int64, count=len(cols))
     r_idx = np.repeat(np.arange(int(n.sum())), np.repeat(width, n))  # each row, its widths
-    c_idx = np.concatenate(
-        [np.tile(np.asarray(c, dtype=np.int64), k) for c, k in zip(cols, n.tolist(), strict=True)]
-    )
+    # request k's columns once per row of it (np.tile per request, in one pass)
+    flat = np.fromiter((t for c in cols for t in c), dtype=np.int64, count=int(width.sum()))
+    size = n * width
+    k = np.repeat(np.arange(len(cols)), size)
+    within = np.arange(int(size.sum())) - np.repeat(np.cumsum(size) - size, size)
+    c_idx = flat[(np.cumsum(width) - width)[k] + within % width[k]]
     r_t = torch.from_numpy(r_idx).to(x.device)
     return x[r_t, torch.from_numpy(c_idx).to(x.device)] - lse[r_t]
