@@ -688,8 +688,3 @@ class BatchedRuntime:
     @property
     def graph_capture_seconds(self) -> float:
         return self.capture_seconds + sum(b.capture_seconds for b in self._banks.values())
-
-
-def _fit(x: Tensor, n: int) -> Tensor:
-    """``x`` cut or zero-padded to ``n`` rows (shapes fixed per graph key)."""
-    return x[:n] if x.shape[0] >= n else F.pad(x, (0, n - x.shape[0]))
