@@ -12,7 +12,7 @@ import torch
 from dspark_obs.cost_table import AdditiveCostTable
 from dspark_obs.engine.acceptance import greedy_accept_argmax, greedy_accept_batch
 from dspark_obs.engine.batched import BatchedRuntime
-from dspark_obs.engine.block_verify import LogitRows, window_pack, windows_on_device
+from dspark_obs.engine.block_verify import LogitRows, block_plan, window_pack, windows_on_device
 from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.reference import ReferenceRuntime
 from dspark_obs.engine.scheduler import BudgetDecision, Scheduler, allocate
@@ -235,7 +235,7 @@ def test_a_padded_block_step_computes_what_the_exact_one_does() -> None:
     block = rt.draft([0.0] * 3)
     batch, gamma = block.tokens.shape
     budget = 6
-    plan = rt._plan(batch, budget, 1e-6, True)
+    plan = rt._plan(block_plan(batch, gamma, 1e-6, budget, True))
 
     def run(bt: int, rows: int) -> tuple[torch.Tensor, ...]:
         def pad(x: torch.Tensor, value: float) -> torch.Tensor:

@@ -45,10 +45,11 @@ from torch import Tensor
 from dspark_obs.engine.block_verify import (
     BlockVerified,
     accept_on_device,
+    block_plan,
     block_summary,
+    plan_windows,
     survival_of,
     window_pack,
-    windows_on_device,
 )
 from dspark_obs.engine.drafter import DraftBlock, Drafter
 from dspark_obs.engine.graph_plan import decode_graph_keys, dummy_inputs
@@ -126,7 +127,7 @@ class BatchedRuntime:
         self.key: tuple = ()  # shared_runtime's settings key
         self._anchors = np.zeros(1, dtype=np.int64)
         self._sts_rows: tuple[np.ndarray, np.ndarray] | None = None  # read at the first draft
-        self._plans: dict[tuple[int, int, float, bool], Tensor] = {}
+        self._plans: dict[bytes, Tensor] = {}
         self._sts_cache: dict[tuple, Tensor] = {}
         self.pool = self._new_pool(max_batch, max_len)
         # Prefill forwards: chunk widths (each a graph key part) and a token cap, so that
@@ -465,9 +466,9 @@ class BatchedRuntime:
         logits stay in the model's dtype (the argmax of the same values;
         :meth:`BlockVerified.rows` reads them in float32)."""
         batch, gamma = block.tokens.shape
-        q, full = gamma + 1, batch * gamma
-        budget = full if budget is None else max(0, min(int(budget), full))
-        n = batch + budget if windows_only else batch * q
+        q = gamma + 1
+        plan = block_plan(batch, gamma, floor, budget, windows_only)
+        n = batch + int(plan[1]) if windows_only else batch * q
         self._flush()
         end = self._longest(batch) + q
         if end > self.pool.max_len:
@@ -480,7 +481,7 @@ class BatchedRuntime:
             "logprobs": block.logprobs,
             "start": self._dlen[:bt],
             "anchors": self._danchor[:bt],
-            "plan": self._plan(batch, budget, floor, windows_only),
+            "plan": self._plan(plan),
             "rows": torch.empty(nt, device=self.device),  # shape carriers (graph key parts)
             "q": torch.empty(q, device=self.device),
             "span": torch.empty(span, device=self.device),
@@ -526,12 +527,10 @@ class BatchedRuntime:
         target forward, the greedy acceptance and the host summary. Returns logits, summary,
         the new lengths and anchors."""
         bt, nq = start.shape[0], q.shape[0]
-        live, budget = plan[0:1].long(), plan[1:2].long()
-        floor, windows_only = plan[2:3], plan[3:4] > 0
         survival = survival_of(conf)
-        window = windows_on_device(survival, budget, floor, live)
-        whole = torch.where(torch.arange(bt, device=start.device) < live, nq, 0)
-        send = torch.where(windows_only, window, whole)
+        window = plan_windows(survival, plan)
+        whole = torch.where(torch.arange(bt, device=start.device) < plan[0:1], nq, 0)
+        send = torch.where(plan[3:4] > 0, window, whole)
         tokens, slot, pos, qidx = window_pack(
             send, start, anchors, drafts, rows.shape[0], self.pool.trash
         )
@@ -545,17 +544,15 @@ class BatchedRuntime:
         summary = block_summary(drafts, conf, logprobs, survival, pred, keep, window)
         return logits, summary, start + keep + 1, bonus
 
-    def _plan(self, batch: int, budget: int, floor: float | None, windows_only: bool) -> Tensor:
-        """A whole-block step's plan as a device vector (live rows, budget, floor, windows only; -1
-        floor: none, every survival clears it), kept per value: a steady batch uploads
+    def _plan(self, plan: np.ndarray) -> Tensor:
+        """A :func:`block_plan` on the device, kept per value: a steady batch uploads
         nothing."""
-        key = (batch, budget, -1.0 if floor is None else float(floor), windows_only)
+        key = plan.tobytes()
         cached = self._plans.get(key)
         if cached is None:
             if len(self._plans) > 256:
                 self._plans.clear()
-            value = np.array([batch, budget, key[2], float(windows_only)], dtype=np.float32)
-            cached = self._plans[key] = self._device(value)
+            cached = self._plans[key] = self._device(plan)
         return cached
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> Tensor:

@@ -32,7 +32,9 @@ __all__ = [
     "BlockVerified",
     "LogitRows",
     "accept_on_device",
+    "block_plan",
     "block_summary",
+    "plan_windows",
     "survival_of",
     "window_pack",
     "windows_on_device",
@@ -66,6 +68,26 @@ def survival_of(confidence: Tensor) -> Tensor:
     for j in range(1, conf.shape[1]):
         cols.append(cols[-1] * conf[:, j])
     return torch.stack(cols, dim=1)
+
+
+def block_plan(
+    batch: int, gamma: int, floor: float | None, budget: int | None, windows_only: bool
+) -> np.ndarray:
+    """A whole-block step's plan as the float32 vector the device reads (:func:`plan_windows`):
+    live rows, budget (drafts verified in all, clamped to ``0..batch * gamma``; None: every
+    one), survival floor (-1: none, every survival clears it), windows only (1) or whole
+    blocks (0). Values below 2 ** 24 are exact in float32."""
+    full = batch * gamma
+    budget = full if budget is None else max(0, min(int(budget), full))
+    return np.array(
+        [batch, budget, -1.0 if floor is None else float(floor), float(windows_only)],
+        dtype=np.float32,
+    )
+
+
+def plan_windows(survival: Tensor, plan: Tensor) -> Tensor:
+    """:func:`windows_on_device` under a :func:`block_plan` (on the plan's device)."""
+    return windows_on_device(survival, plan[1:2].long(), plan[2:3], plan[0:1].long())
 
 
 def windows_on_device(survival: Tensor, budget: Tensor, floor: Tensor, live: Tensor) -> Tensor:

@@ -20,9 +20,10 @@ from torch import Tensor
 from dspark_obs.engine.block_verify import (
     BlockVerified,
     accept_on_device,
+    block_plan,
     block_summary,
+    plan_windows,
     survival_of,
-    windows_on_device,
 )
 from dspark_obs.engine.drafter import DraftBlock, Drafter
 from dspark_obs.engine.drafter_cache import DrafterCache
@@ -181,14 +182,8 @@ class ReferenceRuntime:
         batch, gamma = block.tokens.shape
         tokens, conf = block.tokens.cpu(), block.confidence.cpu()
         survival = survival_of(conf)
-        full = batch * gamma
-        budget = full if budget is None else max(0, min(int(budget), full))
-        window = windows_on_device(
-            survival,
-            torch.tensor([budget]),
-            torch.tensor([-1.0 if floor is None else float(floor)], dtype=torch.float32),
-            torch.tensor([batch]),
-        )
+        plan = torch.from_numpy(block_plan(batch, gamma, floor, budget, windows_only))
+        window = plan_windows(survival, plan)
         drafts = tokens.tolist()
         sent = window.tolist() if windows_only else [gamma + 1] * batch
         rows = [[self._slot(i).anchor, *drafts[i][: sent[i] - 1]] for i in range(batch)]

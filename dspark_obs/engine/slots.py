@@ -170,8 +170,8 @@ class Pack:
         trash: int,
         gather: bool = False,
     ) -> Pack:
-        """:meth:`build`'s index arrays from the token counts alone (``tokens`` left zero): a
-        pack whose tokens are filled on the device (:meth:`BatchedRuntime.verify_block`)."""
+        """:meth:`build`'s index arrays from the token counts alone (``tokens`` left zero);
+        :func:`~dspark_obs.engine.block_verify.window_pack` builds the same on the device."""
         counts = np.asarray(counts, dtype=np.int64)
         n = int(counts.sum())
         slot_arr = np.asarray(slots, dtype=np.int64)
