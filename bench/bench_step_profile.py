@@ -8,7 +8,11 @@ variant captures the graphs first. Per run: tokens/s, wall ms per step, and from
 ``steps`` records the medians of ``step_cpu_ms`` (host wall time of the step),
 ``draft_gpu_ms`` and ``target_verify_gpu_ms`` (CUDA events). ``--cprofile B`` adds the top
 host functions (cProfile, self time) of one static run at batch B; ``--kernels B`` the top
-CUDA kernels (torch.profiler) of one static and one no-spec run at batch B.
+CUDA kernels (torch.profiler) of one run of ``--mode`` and one no-spec run at batch B. ``--syncs B``
+lists where one run at batch B makes the host wait for the device (torch's sync debug mode:
+``.cpu()``, ``.item()``, pageable copies), counted per call site of our code; ``--timeline B``
+the host's wall time per step in each part of the step (launch, the read-back's wait, the
+read, the record work), from timers around those calls (far lighter than cProfile).
 
     python bench/bench_step_profile.py --device cuda --queue-file q.jsonl --batch 1,64,256 \
         --cprofile 1,64 --kernels 256 --out out/step_profile.json
@@ -24,6 +28,10 @@ import pstats
 import statistics
 import sys
 import time
+import traceback
+import warnings
+from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -129,14 +137,108 @@ def host_profile(
     return buf.getvalue()
 
 
-def kernel_profile(models: Any, reqs: list, bs: int, device: str, top: int = 15) -> str:
+def sync_sites(
+    models: Any, reqs: list, bs: int, device: str, mode: str, table: Any, top: int = 20
+) -> str:
+    """Where one run makes the host wait for the device, per call site in our code."""
+    engine_run(models, reqs, bs, NEW_TIERS, device, mode, table)  # warm: graphs, compile
+    sites: Counter[str] = Counter()
+
+    def record(message: Any, *_: Any, **__: Any) -> None:
+        if "synchroniz" not in str(message):
+            return
+        ours = [f for f in traceback.extract_stack() if "dspark_obs" in f.filename]
+        where = " <- ".join(
+            f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(ours[-3:])
+        )
+        sites[where or "outside dspark_obs"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        shown, warnings.showwarning = warnings.showwarning, record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run = engine_run(models, reqs, bs, NEW_TIERS, device, mode, table)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = shown
+    steps = max(run["steps"], 1)
+    lines = [f"{run['steps']} steps, {sum(sites.values())} syncs"]
+    for where, n in sites.most_common(top):
+        lines.append(f"{n / steps:7.2f} per step  {where}")
+    return "\n".join(lines)
+
+
+TIMED = (  # (module, class, method): the parts of a step, outermost first
+    ("dspark_obs.engine.loop", "Engine", "_admit"),
+    ("dspark_obs.engine.step", "StepPipeline", "step"),
+    ("dspark_obs.engine.step", "StepPipeline", "_launch"),
+    ("dspark_obs.engine.step", "StepPipeline", "_read"),
+    ("dspark_obs.engine.step", "StepPipeline", "_split_step"),
+    ("dspark_obs.engine.step", "StepPipeline", "_accept_and_commit"),
+    ("dspark_obs.engine.step", "StepPipeline", "_hand_over"),
+    ("dspark_obs.engine.block_verify", "BlockVerified", "fetch"),
+    ("dspark_obs.engine.batched", "BatchedRuntime", "draft"),
+    ("dspark_obs.engine.batched", "BatchedRuntime", "verify_block"),
+    ("dspark_obs.engine.reference", "ReferenceRuntime", "draft"),
+    ("dspark_obs.engine.reference", "ReferenceRuntime", "verify_block"),
+    ("dspark_obs.engine.step", None, "run_pending"),
+)
+
+
+def timeline(models: Any, reqs: list, bs: int, device: str, mode: str, table: Any) -> str:
+    """Host wall ms per step in each part of the step (timers around the calls of TIMED)."""
+    import importlib
+
+    engine_run(models, reqs, bs, NEW_TIERS, device, mode, table)  # warm: graphs, compile
+    spent: defaultdict[str, float] = defaultdict(float)
+    calls: Counter[str] = Counter()
+    undo: list[Callable[[], None]] = []
+
+    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] += time.perf_counter() - t0
+                calls[name] += 1
+
+        return wrapper
+
+    for module_name, cls_name, meth in TIMED:
+        owner: Any = importlib.import_module(module_name)
+        if cls_name is not None:
+            owner = getattr(owner, cls_name)
+        fn = getattr(owner, meth)
+        name = f"{cls_name}.{meth}" if cls_name else meth
+        setattr(owner, meth, timed(name, fn))
+        undo.append(lambda o=owner, m=meth, f=fn: setattr(o, m, f))
+    try:
+        run = engine_run(models, reqs, bs, NEW_TIERS, device, mode, table)
+    finally:
+        for fn in undo:
+            fn()
+    steps = max(run["steps"], 1)
+    lines = [f"{run['steps']} steps, {run['wall_ms_per_step']:.3f} wall ms per step"]
+    for name in sorted(spent, key=spent.get, reverse=True):
+        lines.append(
+            f"{spent[name] * 1000.0 / steps:8.3f} ms per step  {calls[name] / steps:5.2f} calls"
+            f"  {name}"
+        )
+    return "\n".join(lines)
+
+
+def kernel_profile(
+    models: Any, reqs: list, bs: int, device: str, mode: str, table: Any, top: int = 25
+) -> str:
     from torch.profiler import ProfilerActivity, profile
 
+    def dspark() -> Any:
+        return engine_run(models, reqs, bs, NEW_TIERS, device, mode, table)
+
     out = []
-    for name, fn in (
-        ("static", lambda: engine_run(models, reqs, bs, NEW_TIERS, device)),
-        ("nospec", lambda: nospec_run(models, reqs, bs, device)),
-    ):
+    for name, fn in ((mode, dspark), ("nospec", lambda: nospec_run(models, reqs, bs, device))):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fn()
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top)
@@ -153,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiers", default="old,new")
     ap.add_argument("--cprofile", default="", help="batch sizes for a host cProfile")
     ap.add_argument("--kernels", default="", help="batch sizes for a torch.profiler table")
+    ap.add_argument("--syncs", default="", help="batch sizes for a list of host-device syncs")
+    ap.add_argument("--timeline", default="", help="batch sizes for host ms per step part")
     ap.add_argument(
         "--mode",
         choices=("static", "compact"),
@@ -205,8 +309,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"== host cProfile, {args.mode} bs={bs}\n"
                 + host_profile(models, reqs, bs, args.device, args.mode, table)
             )
+        if str(bs) in args.syncs.split(","):
+            texts.append(
+                f"== host-device syncs, {args.mode} bs={bs}\n"
+                + sync_sites(models, reqs, bs, args.device, args.mode, table)
+            )
+        if str(bs) in args.timeline.split(","):
+            texts.append(
+                f"== host timeline, {args.mode} bs={bs}\n"
+                + timeline(models, reqs, bs, args.device, args.mode, table)
+            )
         if str(bs) in args.kernels.split(","):
-            texts.append(kernel_profile(models, reqs, bs, args.device))
+            texts.append(kernel_profile(models, reqs, bs, args.device, args.mode, table))
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dspark_obs.engine.host_copy import rows_event, upload
+
 __all__ = [
     "BlockHost",
     "BlockVerified",
@@ -186,12 +188,22 @@ class BlockVerified:
     counts_into: Any = None
     """A windows-only pack's target (its ``tokens_processed`` gains the windows' tokens at
     :meth:`fetch`: the runtime does not know them when it launches)."""
+    kept: torch.cuda.Event | None = None
+    """Where :meth:`keep_logits`' copy is complete (CUDA)."""
+
+    @property
+    def logits_ready(self) -> torch.cuda.Event | None:
+        """The event the logits rows are final at on the device (None off CUDA): what a
+        record's read of them waits for (:func:`~dspark_obs.engine.host_copy.read_after`),
+        rather than every step launched after this one."""
+        return self.kept if self.kept is not None else self.ready
 
     def keep_logits(self) -> None:
         """Copy the logits out of the runtime's buffer (the next verify may reuse it), for a
         step read after the next one was launched."""
         if isinstance(self.logits, Tensor):
             self.logits = self.logits.clone()
+            self.kept = rows_event(self.logits.device) if self.ready is not None else None
 
     def fetch(self) -> BlockHost:
         """The step's one device-to-host copy (waits for this step's work only)."""
@@ -258,7 +270,7 @@ class LogitRows(Sequence[Tensor]):
         at = np.asarray(items, dtype=np.int64)
         starts, n = self._offsets[self._index[at]], self._send[at].astype(np.int64)
         idx = np.repeat(starts - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
-        return self._logits[torch.from_numpy(idx).to(self._logits.device)].float()
+        return self._logits[upload(idx, self._logits.device)].float()
 
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):

@@ -22,6 +22,7 @@ from dspark_obs.analytics.estimator_recorder import (
     resolve,
     resolve_block,
 )
+from dspark_obs.engine.host_copy import upload
 
 __all__ = [
     "ESTIMATOR_MIN_TEMPERATURE",
@@ -77,5 +78,5 @@ def greedy_logprobs_at(
     k = np.repeat(np.arange(len(cols)), size)
     within = np.arange(int(size.sum())) - np.repeat(np.cumsum(size) - size, size)
     c_idx = flat[(np.cumsum(width) - width)[k] + within % width[k]]
-    r_t = torch.from_numpy(r_idx).to(x.device)
-    return x[r_t, torch.from_numpy(c_idx).to(x.device)] - lse[r_t]
+    r_t = upload(r_idx, x.device)
+    return x[r_t, upload(c_idx, x.device)] - lse[r_t]

@@ -50,6 +50,7 @@ from dspark_obs.engine.acceptance import (
 from dspark_obs.engine.block_verify import BlockVerified
 from dspark_obs.engine.censored import ESTIMATOR_MIN_TEMPERATURE
 from dspark_obs.engine.drafter import DraftBlock
+from dspark_obs.engine.host_copy import rows_event
 from dspark_obs.engine.live import Live, Outcome, mask_stops, sglang_adjusts_logits
 from dspark_obs.engine.model import Target
 from dspark_obs.engine.runtime import Runtime
@@ -274,6 +275,7 @@ class StepPipeline:
             lives, launched.fct, budget, decision, verify_lens, send, lengths_before,
             host.drafts, host.confidence, host.survival, torch.from_numpy(host.logprobs),
             logits, outcomes, step_ms, launched.events, launched.draft_s, launched.verify_s, io,
+            launched.verified.logits_ready,
         )  # fmt: skip
         return done
 
@@ -320,6 +322,7 @@ class StepPipeline:
                 all_logits[i] = mask_stops(all_logits[i], k, live.stops)
             if k or live.counts is not None:
                 preds[i] = all_logits[i].argmax(-1).cpu().numpy()
+        rows_ready = rows_event(self.target.device)  # every row rewritten: the records read them
         done, outcomes = self._accept_and_commit(
             running,
             block,
@@ -335,7 +338,7 @@ class StepPipeline:
         self._hand_over(
             running, fct, budget, decision, verify_lens, send, lengths_before, dt_np, conf,
             survival, draft_lp, all_logits, outcomes, step_ms, events, t_draft - t0,
-            t_verify - t_draft, io,
+            t_verify - t_draft, io, rows_ready,
         )  # fmt: skip
         return done
 
@@ -359,8 +362,11 @@ class StepPipeline:
         draft_s: float,
         verify_s: float,
         io: StepIO,
+        rows_ready: torch.cuda.Event | None,
     ) -> None:
-        """The step's statistics and its record work (queued on ``io.pending``)."""
+        """The step's statistics and its record work (queued on ``io.pending``); ``rows_ready``:
+        the event ``logits`` are final at on the device (None off CUDA), which the record's
+        reads of them wait for instead of every step launched since."""
         cfg, gamma, bs = self.cfg, self.cfg.gamma, len(running)
         self._records_read_logits = bool((verify_lens <= gamma).any()) or any(
             live.censored for live in running
@@ -384,6 +390,7 @@ class StepPipeline:
             stats=stats, running=list(running), outcomes=outcomes, verify_lens=verify_lens,
             lengths_before=lengths_before, drafts=drafts, confidence=conf, survival=survival,
             draft_logprobs=draft_lp, logits=logits, adjusted=sglang_adjusts_logits(running),
+            rows_ready=rows_ready,
         )  # fmt: skip
 
         def records() -> None:

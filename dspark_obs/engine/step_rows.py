@@ -30,6 +30,7 @@ import torch
 from dspark_obs.engine.acceptance import AcceptResult
 from dspark_obs.engine.block_verify import LogitRows
 from dspark_obs.engine.censored import Censored, LogpAt, greedy_logprobs_at, resolve, resolve_block
+from dspark_obs.engine.host_copy import read_after, upload
 from dspark_obs.engine.live import Live, Outcome
 from dspark_obs.engine.step_records import PgEntries, StepArrays
 from dspark_obs.engine.types import EngineConfig, GenRequest
@@ -76,6 +77,7 @@ class StepResult:
     draft_logprobs: torch.Tensor  # [bs, gamma], host
     logits: Sequence[torch.Tensor]  # per request: the (penalized, masked) rows acceptance used
     adjusted: bool  # SGLang would call the batch's logits adjusted (see live.sglang_adjusts_logits)
+    rows_ready: torch.cuda.Event | None = None  # CUDA: where ``logits`` are final (read_after)
 
     def arrays(self, cfg: EngineConfig, censors: Censors, logprobs: Logprobs) -> StepArrays:
         """The step as :class:`StepArrays` (the ``steps`` row and one ``req_steps`` row per
@@ -137,8 +139,9 @@ class StepResult:
     def _gather_logprobs(self, opens: list[bool], logprobs: Logprobs) -> list[Any]:
         """Per request, log p of the target rows at the columns of the drafts still awaiting
         resolution (None where none await), gathered on the device for every request and
-        moved to the host in one transfer (no sync per entry). ``opens[i]``: request i's step
-        opened a censored block."""
+        moved to the host in one transfer, after the step's own ``rows_ready`` only (on a
+        side stream: the steps launched since keep the device busy meanwhile).
+        ``opens[i]``: request i's step opened a censored block."""
         out: list[Any] = [None] * len(self.running)
         wanted: list[tuple[int, list[int]]] = []
         for i, live in enumerate(self.running):
@@ -158,18 +161,22 @@ class StepResult:
             counts = {i: logits.count(i) for i, _ in wanted}
         else:
             counts = {i: logits[i].shape[0] for i, _ in wanted}
-        parts = []
-        if greedy:
-            items, cols = [i for i, _ in greedy], [c for _, c in greedy]
-            if isinstance(logits, LogitRows):  # one gather from the pack
-                stacked = logits.stacked(items)
-                parts.append(greedy_logprobs_at(stacked, cols, [counts[i] for i in items]))
-            else:
-                parts.append(greedy_logprobs_at([logits[i] for i in items], cols))
-        for i, cols in sampled:
-            idx = torch.tensor(cols, device=logits[i].device)
-            parts.append(logprobs(logits[i], self.running[i])[:, idx].reshape(-1))
-        flat = torch.cat(parts).cpu().numpy()
+
+        def gather() -> torch.Tensor:  # device work only: read_after may run it on a side stream
+            parts = []
+            if greedy:
+                items, cols = [i for i, _ in greedy], [c for _, c in greedy]
+                if isinstance(logits, LogitRows):  # one gather from the pack
+                    stacked = logits.stacked(items)
+                    parts.append(greedy_logprobs_at(stacked, cols, [counts[i] for i in items]))
+                else:
+                    parts.append(greedy_logprobs_at([logits[i] for i in items], cols))
+            for i, cols in sampled:
+                idx = upload(np.asarray(cols, dtype=np.int64), logits[i].device)
+                parts.append(logprobs(logits[i], self.running[i])[:, idx].reshape(-1))
+            return torch.cat(parts)
+
+        flat = read_after(self.rows_ready, gather)
         at = 0
         for i, cols in greedy + sampled:
             n = counts[i] * len(cols)
