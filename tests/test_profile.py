@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import itertools
 import json
 import math
 from collections.abc import Callable
@@ -21,6 +23,7 @@ from dspark_obs.cost_table import (
     StepsPerSecTable,
     fit_additive,
 )
+from dspark_obs.engine import step
 from dspark_obs.engine.profile import profile_steps
 from dspark_obs.engine.profile_fit import (
     StepSample,
@@ -288,6 +291,25 @@ def test_profile_steps_on_a_tiny_model() -> None:
         assert s.seconds > 0
         assert s.k == int(s.frac * s.bs * 3)  # the pinned budget, all of it sent
     assert stats[(1, 0.0)].steps == 8 - 1 - 1  # 1 token per step after prefill, first dropped
+
+
+def test_a_cells_step_time_is_the_wall_time_between_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a step costs the run is the interval from the step before it, which under
+    launching ahead holds host and device together; the host's own share (``step_cpu_ms``)
+    would leave out the device and the records. An injected clock moves 7 ms a step."""
+    ticks = itertools.count()
+    start = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+
+    class Clock:
+        @staticmethod
+        def now(tz: dt.tzinfo | None = None) -> dt.datetime:
+            return start + dt.timedelta(milliseconds=7 * next(ticks))
+
+    monkeypatch.setattr(step, "datetime", Clock)
+    target, drafter = tiny_pair(0, context_window=None)
+    samples = profile_steps(target, drafter, [[1, 2, 3, 4]], gamma=3, batch_sizes=(2,),
+                            fractions=(0.5,), new_tokens=8, warmup=False)  # fmt: skip
+    assert samples and {s.seconds for s in samples} == {0.007}
 
 
 # --------------------------------------------------------------------------- CLI

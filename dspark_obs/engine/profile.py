@@ -29,7 +29,14 @@ def _run_cell(
     new_tokens: int,
     compile: bool = False,
 ) -> list[StepSample]:
-    """Steps of one compact run at a pinned budget, full batch only, first step dropped."""
+    """Steps of one compact run at a pinned budget, full batch only: each step's time is the
+    wall time from the step before it to this one (``ts``, stamped when a step is read), so
+    the first full-batch step gives none.
+
+    That interval is what a step costs the run: on a synchronous runtime the step's own work
+    plus its records, and under launching ahead (CUDA) the steady-state step, in which host
+    and device overlap. ``step_cpu_ms`` is neither there: it is the host's share only, and
+    leaves out the records built while the next step runs."""
     reqs = [
         GenRequest(
             rid=f"p{i}",
@@ -47,12 +54,12 @@ def _run_cell(
     steps = sink.table("steps")
     if steps is None:
         return []
-    frame = steps.to_pandas()
-    full = frame[frame.bs == bs].iloc[1:]  # the first step pays one-off allocations
-    # step_cpu_ms is the step's whole wall time (on CUDA the step synchronizes before it ends)
+    frame = steps.to_pandas().sort_values("forward_ct")
+    full = frame[frame.bs == bs]
+    seconds = full.ts.diff().dt.total_seconds()
     return [
-        StepSample(bs, float(frac), int(r.num_verify_tokens) - bs, float(r.step_cpu_ms) / 1000.0)
-        for r in full.itertuples()
+        StepSample(bs, float(frac), int(k) - bs, float(dt))
+        for k, dt in zip(full.num_verify_tokens.iloc[1:], seconds.iloc[1:], strict=True)
     ]
 
 
@@ -73,14 +80,14 @@ def profile_steps(
 
     ``k`` is what the step really sent (``num_verify_tokens - bs``), which is the pinned
     budget unless some survival fell below the allocator's epsilon. With ``warmup`` one short
-    untimed run goes first, so process-wide one-offs (allocator growth, CUDA kernel
-    selection) do not land in the first cell.
+    untimed run of every cell goes first, so one-offs (allocator growth, CUDA kernel
+    selection, the capture of the graph tiers a trimmed budget packs) land in no cell.
     """
-    if warmup:
-        for bs in batch_sizes:  # CUDA graphs of every batch tier are captured here, untimed
-            _run_cell(target, drafter, prompts, bs, max(fractions), gamma, 4, compile)
-    samples: list[StepSample] = []
     grid = [(bs, float(frac)) for bs in batch_sizes for frac in fractions]
+    if warmup:  # every cell's CUDA graphs (batch tier, and the token tier its budget packs)
+        for bs, frac in grid:
+            _run_cell(target, drafter, prompts, bs, frac, gamma, 4, compile)
+    samples: list[StepSample] = []
     for i, (bs, frac) in enumerate(grid, 1):
         cell = _run_cell(target, drafter, prompts, bs, frac, gamma, new_tokens, compile)
         samples += cell
