@@ -300,6 +300,7 @@ def profile_command(
         save_samples,
     )
     from dspark_obs.engine.session import DEFAULT_DRAFTER
+    from dspark_obs.engine.slots import BATCH_TIERS, TOKEN_TIERS
     from dspark_obs.engine.types import EngineError
     from dspark_obs.engine.weights import encode_chat, load_smollm2
     from dspark_obs.workloads import load_prompts
@@ -340,6 +341,12 @@ def profile_command(
         else:
             pool = list(load_prompts("chat", "train", 16, seed=1))
         prompts = [encode_chat(tok, p.messages) for p in pool]
+        if cuda and (past := [b for b in sizes if b > max(BATCH_TIERS)]):
+            console.print(
+                f"batch sizes {past} are past the largest batch tier ({max(BATCH_TIERS)}): "
+                f"steps of more than {max(TOKEN_TIERS)} tokens run eager there, as in a run "
+                "at that batch"
+            )
         samples = profile_steps(
             target,
             model,

@@ -13,6 +13,8 @@ running batch (ordered by slot), and gets back the requests that finished.
 4. accept (greedy or lossless rejection sampling), roll back the KV caches, commit;
 5. queue the step's record work: its arrays (:meth:`StepResult.arrays`, which resolves the
    censored blocks) go to the run's record builder, which builds Arrow tables on its worker.
+   Its reads of the step's target rows wait for that step's own event, not for the steps
+   launched since (:mod:`dspark_obs.engine.host_copy`).
 
 The record work of step k runs while the device drafts step k + 1 (``overlap``), or right away.
 
