@@ -50,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5, help="timed runs per batch size (median)")
     ap.add_argument("--mode", choices=("static", "compact"), default="compact")
     ap.add_argument("--profile", type=int, default=0,
-                    help="print this many functions of a cProfile run, by own time")
+                    help="print this many functions of a cProfile run (see --sort)")
+    ap.add_argument("--sort", default="tottime", choices=("tottime", "cumulative"),
+                    help="--profile's order: own time, or time with callees")
     ap.add_argument("--out", type=Path, default=None, help="JSON summary path")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             prof.enable()
             engine.run(list(reqs), FanOut([MemorySink()]).emit, "profile")
             prof.disable()
-            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(args.profile)
+            pstats.Stats(prof, stream=sys.stdout).sort_stats(args.sort).print_stats(args.profile)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"mode": args.mode, "new_tokens": args.new_tokens,
