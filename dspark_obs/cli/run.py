@@ -242,8 +242,12 @@ def profile_command(
         str, typer.Option(help="Comma list of forced budget fractions of bs * gamma, in [0, 1].")
     ] = "0,0.25,0.5,0.75,1",
     new_tokens: Annotated[
-        int, typer.Option(help="New tokens per request in each (bs, fraction) cell.")
-    ] = 24,
+        int | None,
+        typer.Option(
+            help="New tokens per request in each (bs, fraction) cell (default 24; 64 on cuda, "
+            "where a cell otherwise has only a few full-batch steps to time)."
+        ),
+    ] = None,
     gamma: Annotated[int, typer.Option(help="Draft block size.")] = 5,
     drafter: Annotated[
         Path | None,
@@ -310,6 +314,8 @@ def profile_command(
     try:
         sizes = parse_batch_sizes(batch_sizes or ("1,2,4,8,16,32,64" if cuda else "1,2,4,8,16"))
         fracs = parse_fractions(fractions)
+        if new_tokens is None:
+            new_tokens = 64 if cuda else 24
         if new_tokens < 2:
             raise ValueError("--new-tokens must be >= 2 (each cell's first step is dropped)")
         if not 0.0 <= holdout < 1.0:
