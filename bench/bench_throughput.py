@@ -231,7 +231,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                          "warm-up did not: a queue's tail runs at small batch tiers); 0 "
                          "disables")
     ap.add_argument("--cost-table", default=None,
-                    help="cost table for compact (default: load_cost_table(None, device))")
+                    help="cost table for compact (default: the shipped one for --device and "
+                         "--backend, load_cost_table(None, device, backend))")
     ap.add_argument("--backend", choices=("batched", "reference"), default="batched",
                     help="runtime of every variant, no-spec included (engine.no_spec)")
     ap.add_argument("--whole-block", action=argparse.BooleanOptionalAction, default=True,
@@ -345,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         models.drafter.set_draft_vocab(shipped_draft_vocab(args.draft_vocab, models.stop_ids))
         log(f"drafting from {int(models.drafter.draft_vocab.numel())} token ids")
-    table = load_cost_table(args.cost_table, args.device)
+    table = load_cost_table(args.cost_table, args.device, args.backend)
     table_name = args.cost_table or (
         f"runtime/cost_tables/smollm2_{'cpu' if args.device == 'cpu' else 'h200'}.json"
         if table is not None else None

@@ -271,7 +271,19 @@ def test_filled_probes_predict_held_out_cells_better_than_sparse(seed: int) -> N
 # --------------------------------------------------------------------------- measuring
 
 
-def test_profile_steps_on_a_tiny_model() -> None:
+@pytest.mark.parametrize("backend", ["auto", "batched"])
+def test_profile_steps_on_a_tiny_model(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dspark_obs.engine import loop
+
+    used: list[str] = []
+    real = loop.engine_runtime
+
+    def spy(target, drafter, cfg, *args, **kw):  # type: ignore[no-untyped-def]
+        rt = real(target, drafter, cfg, *args, **kw)
+        used.append(type(rt).__name__)
+        return rt
+
+    monkeypatch.setattr(loop, "engine_runtime", spy)
     target, drafter = tiny_pair(0, context_window=None)
     lines: list[str] = []
     samples = profile_steps(
@@ -282,8 +294,11 @@ def test_profile_steps_on_a_tiny_model() -> None:
         batch_sizes=(1, 3),
         fractions=(0.0, 0.5, 1.0),
         new_tokens=8,
+        backend=backend,
         progress=lines.append,
     )
+    # the runtime timed: auto is the reference one on the CPU
+    assert set(used) == {"ReferenceRuntime" if backend == "auto" else "BatchedRuntime"}
     assert len(lines) == 6 and lines[0].startswith("[1/6] bs=1 frac=0 K=0:")
     stats = cell_stats(samples)
     assert set(stats) == {(bs, f) for bs in (1, 3) for f in (0.0, 0.5, 1.0)}
@@ -369,6 +384,7 @@ def test_cli_profile_writes_both_tables_and_the_report(smollm2: Path, tmp_path: 
         (["--new-tokens", "1"], "--new-tokens must be >= 2"),
         (["--holdout", "1"], "--holdout must be in [0, 1)"),
         (["--draft-vocab", "-1"], "--draft-vocab must be >= 0"),
+        (["--backend", "fast"], "--backend must be one of auto, batched, reference"),
     ],
 )
 def test_cli_profile_refuses_bad_options_before_loading(
@@ -378,3 +394,27 @@ def test_cli_profile_refuses_bad_options_before_loading(
     assert res.exit_code == 2
     assert needle in " ".join(res.output.split())
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("backend", "shipped"),
+    [("auto", "smollm2_cpu.json"), ("reference", "smollm2_cpu.json"),
+     ("batched", "smollm2_cpu_batched.json")],  # fmt: skip
+)
+def test_the_shipped_cpu_table_is_the_one_of_the_runtime_it_plans_for(
+    backend: str, shipped: str, tmp_path: Path
+) -> None:
+    """A table predicts the runtime it was profiled on: on the CPU ``auto`` runs the
+    reference runtime, bench_throughput.py the batched one, and each gets its own table; a
+    table given by path wins."""
+    from dspark_obs.engine.session import REPO_RUNTIME, load_cost_table
+
+    want = CostTable.load(REPO_RUNTIME / "cost_tables" / shipped)
+    got = load_cost_table(None, "cpu", backend)
+    assert got is not None and got.to_dict() == want.to_dict()
+    mine = tmp_path / "mine.json"
+    mine.write_text(json.dumps(AdditiveCostTable.from_dict({
+        "bias_seconds": 0.5, "bs_probes": [1], "alpha_seconds": [0.0],
+        "m_probes": [1], "theta_seconds": [0.0],
+    }).to_dict()))  # fmt: skip
+    assert load_cost_table(mine, "cpu", backend).to_dict()["bias_seconds"] == 0.5

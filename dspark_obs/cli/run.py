@@ -121,7 +121,7 @@ def run_command(
             gamma=gamma,
             lag_steps=lag,
             max_batch=max_batch,
-            cost_table=load_cost_table(cost_table, device),
+            cost_table=load_cost_table(cost_table, device, backend),
             estimator_rows=estimator_rows,
             backend=backend,
             compile=device.startswith("cuda") if compile is None else compile,
@@ -280,6 +280,14 @@ def profile_command(
             "bench_throughput.py --draft-vocab runs; 0: the whole vocabulary)."
         ),
     ] = 0,
+    backend: Annotated[
+        str,
+        typer.Option(
+            help="Runtime to time: auto (what `run` uses: batched on a GPU, reference on the "
+            "CPU), batched (what bench_throughput.py runs) or reference. A table predicts the "
+            "runtime it was profiled on."
+        ),
+    ] = "auto",
 ) -> None:
     """Measure compact step time over batch sizes x pinned budgets; fit SGLang's two tables.
 
@@ -305,7 +313,7 @@ def profile_command(
     )
     from dspark_obs.engine.session import DEFAULT_DRAFTER
     from dspark_obs.engine.slots import BATCH_TIERS, TOKEN_TIERS
-    from dspark_obs.engine.types import EngineError
+    from dspark_obs.engine.types import BACKENDS, EngineError
     from dspark_obs.engine.weights import encode_chat, load_smollm2
     from dspark_obs.workloads import load_prompts
 
@@ -322,6 +330,8 @@ def profile_command(
             raise ValueError(f"--holdout must be in [0, 1), got {holdout}")
         if draft_vocab < 0:
             raise ValueError(f"--draft-vocab must be >= 0, got {draft_vocab}")
+        if backend not in BACKENDS:
+            raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         stem = name or ("smollm2_h200" if cuda else f"smollm2_{device}")
         if cuda and not torch.cuda.is_available():
             raise ValueError(f"--device {device}: this torch ({torch.__version__}) sees no GPU")
@@ -362,6 +372,7 @@ def profile_command(
             fractions=fracs,
             compile=cuda if compile is None else compile,
             new_tokens=new_tokens,
+            backend=backend,
             progress=lambda line: console.print(line, markup=False, highlight=False),
         )
         try:
@@ -376,6 +387,7 @@ def profile_command(
             "--out-dir", str(out_dir), "--name", stem, "--holdout", str(holdout),
             "--seed", str(seed),
             *(["--draft-vocab", str(draft_vocab)] if draft_vocab else []),
+            *(["--backend", backend] if backend != "auto" else []),
         ]  # fmt: skip
         meta = {
             "name": stem,
@@ -391,6 +403,7 @@ def profile_command(
             "batch_sizes": sizes,
             "fractions": fracs,
             "draft_vocab": draft_vocab or None,
+            "backend": backend,
         }
         paths = save_profile(report, out_dir, stem, meta)
     except (EngineError, CostTableError, ValueError) as exc:

@@ -28,6 +28,7 @@ def _run_cell(
     gamma: int,
     new_tokens: int,
     compile: bool = False,
+    backend: str = "auto",
 ) -> list[StepSample]:
     """Steps of one compact run at a pinned budget, full batch only: each step's time is the
     wall time from the step before it to this one (``ts``, stamped when a step is read), so
@@ -46,7 +47,9 @@ def _run_cell(
         )
         for i in range(bs)
     ]
-    config = EngineConfig(mode="compact", gamma=gamma, max_batch=bs, compile=compile)
+    config = EngineConfig(
+        mode="compact", gamma=gamma, max_batch=bs, compile=compile, backend=backend
+    )
     engine = Engine(target, drafter, config)
     engine.scheduler.forced_budget_frac = float(frac)
     sink = MemorySink()
@@ -74,22 +77,28 @@ def profile_steps(
     new_tokens: int = 24,
     warmup: bool = True,
     compile: bool = False,
+    backend: str = "auto",
     progress: Callable[[str], None] | None = None,
 ) -> list[StepSample]:
     """Measured step samples from real compact steps over the ``batch_sizes x fractions`` grid.
 
     ``k`` is what the step really sent (``num_verify_tokens - bs``), which is the pinned
-    budget unless some survival fell below the allocator's epsilon. With ``warmup`` one short
+    budget unless some survival fell below the allocator's epsilon. ``backend``: the runtime
+    timed (``EngineConfig.backend``; a table predicts the runtime it was profiled on, and
+    ``auto`` picks the reference runtime on the CPU, where ``bench_throughput.py`` runs the
+    batched one). With ``warmup`` one short
     untimed run of every cell goes first, so one-offs (allocator growth, CUDA kernel
     selection, the capture of the graph tiers a trimmed budget packs) land in no cell.
     """
     grid = [(bs, float(frac)) for bs in batch_sizes for frac in fractions]
     if warmup:  # every cell's CUDA graphs (batch tier, and the token tier its budget packs)
         for bs, frac in grid:
-            _run_cell(target, drafter, prompts, bs, frac, gamma, 4, compile)
+            _run_cell(target, drafter, prompts, bs, frac, gamma, 4, compile, backend)
     samples: list[StepSample] = []
     for i, (bs, frac) in enumerate(grid, 1):
-        cell = _run_cell(target, drafter, prompts, bs, frac, gamma, new_tokens, compile)
+        cell = _run_cell(
+            target, drafter, prompts, bs, frac, gamma, new_tokens, compile, backend
+        )
         samples += cell
         if progress:
             progress(f"[{i}/{len(grid)}] {_cell_line(bs, frac, cell)}")
