@@ -354,10 +354,11 @@ def test_graph_keys_cover_every_decode_step_shape_and_capture_is_a_no_op_on_cpu(
     assert rt.capture(256) == 0  # graphs are off on the CPU
 
 
-def test_auto_picks_the_batched_runtime_on_a_gpu_only() -> None:
+def test_auto_picks_the_batched_runtime_and_reference_only_when_asked() -> None:
     target, drafter = _models(9)
-    assert not Engine(target, drafter, EngineConfig()).batched  # CPU: the reference path
+    assert Engine(target, drafter, EngineConfig()).batched  # on the CPU too (it measured faster)
     assert Engine(target, drafter, EngineConfig(backend="batched")).batched
+    assert not Engine(target, drafter, EngineConfig(backend="reference")).batched
 
 
 def test_bad_tiers_and_backend_are_refused() -> None:

@@ -271,7 +271,7 @@ def test_filled_probes_predict_held_out_cells_better_than_sparse(seed: int) -> N
 # --------------------------------------------------------------------------- measuring
 
 
-@pytest.mark.parametrize("backend", ["auto", "batched"])
+@pytest.mark.parametrize("backend", ["auto", "reference"])
 def test_profile_steps_on_a_tiny_model(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from dspark_obs.engine import loop
 
@@ -297,8 +297,8 @@ def test_profile_steps_on_a_tiny_model(backend: str, monkeypatch: pytest.MonkeyP
         backend=backend,
         progress=lines.append,
     )
-    # the runtime timed: auto is the reference one on the CPU
-    assert set(used) == {"ReferenceRuntime" if backend == "auto" else "BatchedRuntime"}
+    # the runtime timed: auto is the batched one, on the CPU too
+    assert set(used) == {"BatchedRuntime" if backend == "auto" else "ReferenceRuntime"}
     assert len(lines) == 6 and lines[0].startswith("[1/6] bs=1 frac=0 K=0:")
     stats = cell_stats(samples)
     assert set(stats) == {(bs, f) for bs in (1, 3) for f in (0.0, 0.5, 1.0)}
@@ -398,15 +398,15 @@ def test_cli_profile_refuses_bad_options_before_loading(
 
 @pytest.mark.parametrize(
     ("backend", "shipped"),
-    [("auto", "smollm2_cpu.json"), ("reference", "smollm2_cpu.json"),
-     ("batched", "smollm2_cpu_batched.json")],  # fmt: skip
+    [("auto", "smollm2_cpu_batched.json"), ("batched", "smollm2_cpu_batched.json"),
+     ("reference", "smollm2_cpu.json")],  # fmt: skip
 )
 def test_the_shipped_cpu_table_is_the_one_of_the_runtime_it_plans_for(
     backend: str, shipped: str, tmp_path: Path
 ) -> None:
-    """A table predicts the runtime it was profiled on: on the CPU ``auto`` runs the
-    reference runtime, bench_throughput.py the batched one, and each gets its own table; a
-    table given by path wins."""
+    """A table predicts the runtime it was profiled on: on the CPU ``auto`` and
+    bench_throughput.py run the batched runtime, ``reference`` the per-request one, and each
+    gets its own table; a table given by path wins."""
     from dspark_obs.engine.session import REPO_RUNTIME, load_cost_table
 
     want = CostTable.load(REPO_RUNTIME / "cost_tables" / shipped)

@@ -283,9 +283,8 @@ def profile_command(
     backend: Annotated[
         str,
         typer.Option(
-            help="Runtime to time: auto (what `run` uses: batched on a GPU, reference on the "
-            "CPU), batched (what bench_throughput.py runs) or reference. A table predicts the "
-            "runtime it was profiled on."
+            help="Runtime to time: auto (what `run` and bench_throughput.py use: the batched "
+            "one), batched or reference. A table predicts the runtime it was profiled on."
         ),
     ] = "auto",
 ) -> None:

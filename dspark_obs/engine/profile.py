@@ -84,11 +84,10 @@ def profile_steps(
 
     ``k`` is what the step really sent (``num_verify_tokens - bs``), which is the pinned
     budget unless some survival fell below the allocator's epsilon. ``backend``: the runtime
-    timed (``EngineConfig.backend``; a table predicts the runtime it was profiled on, and
-    ``auto`` picks the reference runtime on the CPU, where ``bench_throughput.py`` runs the
-    batched one). With ``warmup`` one short
-    untimed run of every cell goes first, so one-offs (allocator growth, CUDA kernel
-    selection, the capture of the graph tiers a trimmed budget packs) land in no cell.
+    timed (``EngineConfig.backend``): a table predicts the runtime it was profiled on. With
+    ``warmup`` one short untimed run of every cell goes first, so one-offs (allocator growth,
+    CUDA kernel selection, the capture of the graph tiers a trimmed budget packs) land in no
+    cell.
     """
     grid = [(bs, float(frac)) for bs in batch_sizes for frac in fractions]
     if warmup:  # every cell's CUDA graphs (batch tier, and the token tier its budget packs)

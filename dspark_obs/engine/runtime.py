@@ -132,10 +132,9 @@ class Runtime(Protocol):
 
 
 def uses_batched(cfg: EngineConfig, target: Target) -> bool:
-    """Whether ``cfg.backend`` picks the batched runtime on this target (``auto``: on a GPU)."""
-    if cfg.backend == "auto":
-        return target.device.type == "cuda"
-    return cfg.backend == "batched"
+    """Whether ``cfg.backend`` picks the batched runtime (``auto`` does, on a GPU and on the
+    CPU alike: see :data:`~dspark_obs.engine.types.BACKENDS`)."""
+    return cfg.backend in ("auto", "batched")
 
 
 def engine_runtime(

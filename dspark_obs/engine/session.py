@@ -21,11 +21,11 @@ from dspark_obs.fanout import FanOut, RecordSink
 
 REPO_RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
 DEFAULT_DRAFTER = REPO_RUNTIME / "drafter"
-DEFAULT_CPU_COST_TABLE = REPO_RUNTIME / "cost_tables" / "smollm2_cpu.json"
-"""Profiled (2026-11-30) before the batched runtime existed, on the per-request path that
-``backend="auto"`` still runs on the CPU (the reference runtime)."""
-DEFAULT_CPU_BATCHED_COST_TABLE = REPO_RUNTIME / "cost_tables" / "smollm2_cpu_batched.json"
-"""Profiled on the batched runtime on the CPU (``backend="batched"``, bench_throughput.py's)."""
+DEFAULT_CPU_COST_TABLE = REPO_RUNTIME / "cost_tables" / "smollm2_cpu_batched.json"
+"""Profiled on the batched runtime on the CPU (``backend="auto"`` or ``"batched"``)."""
+DEFAULT_CPU_REFERENCE_COST_TABLE = REPO_RUNTIME / "cost_tables" / "smollm2_cpu.json"
+"""Profiled (2026-11-30) before the batched runtime existed, on the per-request path the
+reference runtime keeps (``backend="reference"``)."""
 DEFAULT_GPU_COST_TABLE = REPO_RUNTIME / "cost_tables" / "smollm2_h200.json"
 
 
@@ -184,13 +184,14 @@ def load_cost_table(
     path: str | Path | None, device: str, backend: str = "auto"
 ) -> CostTable | None:
     """The given table, else the shipped one for the device and the runtime it will plan for
-    (a table predicts the runtime it was profiled on): on the CPU the reference runtime's
-    (``auto``, ``reference``) or the batched runtime's; the H200 one on CUDA. None without
+    (a table predicts the runtime it was profiled on): on the CPU the batched runtime's
+    (``auto``, ``batched``) or the reference runtime's; the H200 one on CUDA. None without
     one (verify every draft, SGLang's default)."""
     if path is not None:
         return CostTable.load(path)
     if device == "cpu":
-        shipped = DEFAULT_CPU_BATCHED_COST_TABLE if backend == "batched" else DEFAULT_CPU_COST_TABLE
+        ref = backend == "reference"
+        shipped = DEFAULT_CPU_REFERENCE_COST_TABLE if ref else DEFAULT_CPU_COST_TABLE
     else:
         shipped = DEFAULT_GPU_COST_TABLE
     if device.startswith("cuda") and not torch.cuda.is_available():
