@@ -81,8 +81,8 @@ def run_command(
     backend: Annotated[
         str,
         typer.Option(
-            help="auto (batched on a GPU, reference on the CPU) | batched (slot pool, one "
-            "attention call per layer, CUDA graphs on a GPU) | reference (per-request caches)."
+            help="auto (= batched) | batched (slot pool, one attention call per layer, CUDA "
+            "graphs on a GPU) | reference (per-request caches, the readable model)."
         ),
     ] = "auto",
     compile: CompileOpt = None,

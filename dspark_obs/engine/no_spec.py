@@ -17,7 +17,13 @@ from dspark_obs.engine.model import Target
 from dspark_obs.engine.reference import ReferenceRuntime
 from dspark_obs.engine.runtime import Runtime
 from dspark_obs.engine.shared_runtime import shared_runtime
-from dspark_obs.engine.types import BACKENDS, EngineError, GenRequest, RunResult
+from dspark_obs.engine.types import (
+    BACKENDS,
+    EngineError,
+    GenRequest,
+    RunResult,
+    resolved_backend,
+)
 
 __all__ = ["no_spec_runtime", "run_no_spec"]
 
@@ -34,9 +40,7 @@ def no_spec_runtime(
     """A runtime without a drafter for ``backend`` (see ``BACKENDS``), handed out busy."""
     if backend not in BACKENDS:
         raise EngineError(f"unknown backend {backend!r}; expected one of {list(BACKENDS)}")
-    if backend == "auto":
-        backend = "batched" if target.device.type == "cuda" else "reference"
-    if backend == "batched":
+    if resolved_backend(backend) == "batched":
         return shared_runtime(
             target, None, max_batch=max_batch, max_len=max_len, gamma=1,
             cuda_graphs=cuda_graphs, compiled=compiled,

@@ -39,7 +39,7 @@ from dspark_obs.engine.model import Target
 from dspark_obs.engine.reference import ReferenceRuntime
 from dspark_obs.engine.shared_runtime import shared_runtime
 from dspark_obs.engine.slots import BATCH_TIERS, TOKEN_TIERS
-from dspark_obs.engine.types import EngineConfig
+from dspark_obs.engine.types import EngineConfig, resolved_backend
 
 __all__ = ["Runtime", "Verified", "engine_runtime", "uses_batched"]
 
@@ -134,7 +134,7 @@ class Runtime(Protocol):
 def uses_batched(cfg: EngineConfig, target: Target) -> bool:
     """Whether ``cfg.backend`` picks the batched runtime (``auto`` does, on a GPU and on the
     CPU alike: see :data:`~dspark_obs.engine.types.BACKENDS`)."""
-    return cfg.backend in ("auto", "batched")
+    return resolved_backend(cfg.backend) == "batched"
 
 
 def engine_runtime(

@@ -28,6 +28,7 @@ __all__ = [
     "OnTokens",
     "RequestSource",
     "RunResult",
+    "resolved_backend",
 ]
 
 BACKENDS = ("auto", "batched", "reference")
@@ -35,6 +36,12 @@ BACKENDS = ("auto", "batched", "reference")
 graphs on a GPU; :mod:`dspark_obs.engine.batched`). ``reference``: per-request caches and
 attention (the readable model of the algorithm). ``auto``: ``batched``, on the CPU too,
 where it now measures faster than ``reference`` at batch 1 and 8 (README, 2026-12-04)."""
+
+
+def resolved_backend(backend: str) -> str:
+    """The runtime a ``backend`` setting runs: ``auto`` is ``batched`` (see BACKENDS)."""
+    return "batched" if backend == "auto" else backend
+
 
 ESTIMATOR_ROWS = ("all", "sglang")
 """``all``: estimator fields on every sampling setting (exact: log p of the processed
