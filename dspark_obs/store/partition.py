@@ -127,9 +127,7 @@ class Partition:
 
     def set_aside(self, path: Path, exc: BaseException) -> None:
         """Quarantine a segment whose data cannot be read, then reload the partition."""
-        reason = f"unreadable data ({str(exc).splitlines()[0][:160]})"
-        dest = layout.quarantine(self.root, path, reason)
-        warnings.warn(f"{path}: {reason}; moved to {dest}", StoreWarning, stacklevel=4)
+        _set_aside_unreadable(self.root, path, exc, stacklevel=5)
         self.segments, self.keys = [], None
         load_partition(self)
 
@@ -224,14 +222,20 @@ def load_partition(part: Partition) -> None:
                 keys.append(pq.read_table(seg.path).select(list(part.key_cols)))
                 readable.append(seg)
             except UNREADABLE as exc:
-                reason = f"unreadable data ({str(exc).splitlines()[0][:160]})"
-                dest = layout.quarantine(part.root, seg.path, reason)
-                warnings.warn(f"{seg.path}: {reason}; moved to {dest}", StoreWarning, stacklevel=5)
+                _set_aside_unreadable(part.root, seg.path, exc, stacklevel=6)
         part.segments = readable
         part.keys = pa.concat_tables(keys) if keys else None
 
 
 UNREADABLE = (OSError, pa.ArrowException)
+
+
+def _set_aside_unreadable(root: Path, path: Path, exc: BaseException, stacklevel: int) -> None:
+    """Quarantine a segment whose data failed to read with ``exc`` and say so (StoreWarning;
+    ``stacklevel`` counts this function's frame)."""
+    reason = f"unreadable data ({str(exc).splitlines()[0][:160]})"
+    dest = layout.quarantine(root, path, reason)
+    warnings.warn(f"{path}: {reason}; moved to {dest}", StoreWarning, stacklevel=stacklevel)
 
 
 def first_unreadable(table: str, paths: list[Path]) -> Path | None:
