@@ -72,7 +72,13 @@ import torch
 
 from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.no_spec import run_no_spec
-from dspark_obs.engine.session import load_cost_table, load_models, traffic_to_requests
+from dspark_obs.engine.session import (
+    REPO_RUNTIME,
+    load_cost_table,
+    load_models,
+    shipped_cost_table,
+    traffic_to_requests,
+)
 from dspark_obs.engine.types import EngineConfig, GenRequest
 from dspark_obs.fanout import FanOut, MemorySink
 from dspark_obs.testing.throughput_bench import (
@@ -348,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"drafting from {int(models.drafter.draft_vocab.numel())} token ids")
     table = load_cost_table(args.cost_table, args.device, args.backend)
     table_name = args.cost_table or (
-        f"runtime/cost_tables/smollm2_{'cpu' if args.device == 'cpu' else 'h200'}.json"
+        str(shipped_cost_table(args.device, args.backend).relative_to(REPO_RUNTIME.parent))
         if table is not None else None
     )
     if table is None:

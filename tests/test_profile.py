@@ -407,8 +407,9 @@ def test_the_shipped_cpu_table_is_the_one_of_the_runtime_it_plans_for(
     """A table predicts the runtime it was profiled on: on the CPU ``auto`` and
     bench_throughput.py run the batched runtime, ``reference`` the per-request one, and each
     gets its own table; a table given by path wins."""
-    from dspark_obs.engine.session import REPO_RUNTIME, load_cost_table
+    from dspark_obs.engine.session import REPO_RUNTIME, load_cost_table, shipped_cost_table
 
+    assert shipped_cost_table("cpu", backend).name == shipped  # what a bench's JSON names
     want = CostTable.load(REPO_RUNTIME / "cost_tables" / shipped)
     got = load_cost_table(None, "cpu", backend)
     assert got is not None and got.to_dict() == want.to_dict()

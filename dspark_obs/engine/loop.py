@@ -147,7 +147,7 @@ class Engine:
     @property
     def batched(self) -> bool:
         """Whether this engine runs on the batched runtime (see ``BACKENDS``)."""
-        return uses_batched(self.cfg, self.target)
+        return uses_batched(self.cfg)
 
     def check(self, requests: Sequence[GenRequest]) -> None:
         """Reject bad requests before a run starts, so nothing is half-written."""

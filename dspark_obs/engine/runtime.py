@@ -131,7 +131,7 @@ class Runtime(Protocol):
         ...
 
 
-def uses_batched(cfg: EngineConfig, target: Target) -> bool:
+def uses_batched(cfg: EngineConfig) -> bool:
     """Whether ``cfg.backend`` picks the batched runtime (``auto`` does, on a GPU and on the
     CPU alike: see :data:`~dspark_obs.engine.types.BACKENDS`)."""
     return resolved_backend(cfg.backend) == "batched"
@@ -150,7 +150,7 @@ def engine_runtime(
     shared_runtime.shared_runtime`), so CUDA graphs are captured once (``prefer``: the engine's last
     one, when it is free); ``cfg.capture_graphs`` captures them all now. Reference: a fresh
     one per run (it holds nothing worth keeping)."""
-    if not uses_batched(cfg, target):
+    if not uses_batched(cfg):
         rt = ReferenceRuntime(target, drafter, gamma=cfg.gamma)
         rt.busy = True
         rt.reserve(cfg.max_batch, max_len)

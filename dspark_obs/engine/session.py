@@ -16,7 +16,13 @@ import torch
 
 from dspark_obs.cost_table import CostTable
 from dspark_obs.engine.loop import Engine
-from dspark_obs.engine.types import EngineConfig, EngineError, GenRequest, RunResult
+from dspark_obs.engine.types import (
+    EngineConfig,
+    EngineError,
+    GenRequest,
+    RunResult,
+    resolved_backend,
+)
 from dspark_obs.fanout import FanOut, RecordSink
 
 REPO_RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
@@ -180,20 +186,25 @@ def run_with_companion(
     return main, comp, fan
 
 
+def shipped_cost_table(device: str, backend: str = "auto") -> Path:
+    """The shipped table for the device and the runtime it will plan for (a table predicts
+    the runtime it was profiled on): on the CPU the batched runtime's (``auto``, ``batched``)
+    or the reference runtime's; the H200 one on CUDA."""
+    if device != "cpu":
+        return DEFAULT_GPU_COST_TABLE
+    if resolved_backend(backend) == "reference":
+        return DEFAULT_CPU_REFERENCE_COST_TABLE
+    return DEFAULT_CPU_COST_TABLE
+
+
 def load_cost_table(
     path: str | Path | None, device: str, backend: str = "auto"
 ) -> CostTable | None:
-    """The given table, else the shipped one for the device and the runtime it will plan for
-    (a table predicts the runtime it was profiled on): on the CPU the batched runtime's
-    (``auto``, ``batched``) or the reference runtime's; the H200 one on CUDA. None without
-    one (verify every draft, SGLang's default)."""
+    """The given table, else :func:`shipped_cost_table`, else None (verify every draft,
+    SGLang's default)."""
     if path is not None:
         return CostTable.load(path)
-    if device == "cpu":
-        ref = backend == "reference"
-        shipped = DEFAULT_CPU_REFERENCE_COST_TABLE if ref else DEFAULT_CPU_COST_TABLE
-    else:
-        shipped = DEFAULT_GPU_COST_TABLE
+    shipped = shipped_cost_table(device, backend)
     if device.startswith("cuda") and not torch.cuda.is_available():
         return None
     return CostTable.load(shipped) if shipped.is_file() else None
