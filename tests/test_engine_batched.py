@@ -342,6 +342,8 @@ def test_graph_keys_cover_every_decode_step_shape_and_capture_is_a_no_op_on_cpu(
     keys = {k for bank, k in rt.graph_keys(256) if bank == "verify"}
     block = {k for bank, k in rt.graph_keys(256) if bank == "block"}
     trimmed = {k for bank, k in rt.graph_keys(256, trims=True) if bank == "block"}
+    rest = {k for bank, k in rt.graph_keys(256, trims=True, rest=True) if bank == "rest"}
+    assert not any(bank == "rest" for bank, _ in rt.graph_keys(256, trims=True))
     span = rt._span(256)
     for batch in range(1, 17):
         bt = tier_of(batch, rt.batch_tiers)
@@ -349,6 +351,8 @@ def test_graph_keys_cover_every_decode_step_shape_and_capture_is_a_no_op_on_cpu(
             assert (6, bt, tier_of(n, rt.token_tiers), span, False) in keys
             # a compact budget of n - batch drafts packs n tokens on the device
             assert (6, bt, tier_of(n, rt.token_tiers), span) in trimmed
+        for n in range(1, 5 * batch + 1):  # cap-accept: n drafts past the windows
+            assert (6, bt, tier_of(n, rt.token_tiers), span) in rest
         assert (6, bt, tier_of(6 * batch, rt.token_tiers), span) in block
     assert block < trimmed
     assert rt.capture(256) == 0  # graphs are off on the CPU

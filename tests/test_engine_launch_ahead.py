@@ -21,6 +21,9 @@ from dspark_obs.engine.step import StepPipeline
 from dspark_obs.engine.types import EngineConfig
 from dspark_obs.fanout import FanOut, MemorySink
 from tests.test_engine_batched import _models, _plain_greedy, _requests
+from tests.test_engine_loop import _models as loop_models
+from tests.test_engine_loop import _requests as loop_requests
+from tests.test_engine_loop import _trimming_table as trimming_table
 from tests.test_engine_whole_block import _mild_table
 
 
@@ -105,15 +108,18 @@ def test_launched_ahead_greedy_output_is_plain_greedy_decoding() -> None:
         assert res.outputs[r.rid] == _plain_greedy(target, r.prompt_ids, r.max_new_tokens)
 
 
-@pytest.mark.parametrize("table", ["free", "mild"])
+@pytest.mark.parametrize(
+    ("table", "mode"), [("free", "compact"), ("mild", "compact"), ("mild", "cap-accept")]
+)
 def test_records_of_a_launched_ahead_run_add_up(
-    table: str, monkeypatch: pytest.MonkeyPatch
+    table: str, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No wasted row is recorded: a request's accepted tokens sum to its output, each row
     starts where its previous one ended, every step counts exactly its rows. Budgets trim
     (some under ``free``, whose floor leaves lagged drafts out; many under ``mild``), and
     those steps launch ahead too (windows allocated and packed on the device, each checked
-    against the scheduler's when read); tokens stay plain greedy's."""
+    against the scheduler's when read; cap-accept's drafts past them verified on top);
+    tokens stay plain greedy's."""
     trimmed = {"ahead": 0}
     verify_block, launch = BatchedRuntime.verify_block, StepPipeline._launch
 
@@ -129,7 +135,7 @@ def test_records_of_a_launched_ahead_run_add_up(
     reqs = _requests(9, seed=4)
     cost_table = _free_table() if table == "free" else _mild_table()
     cfg = EngineConfig(
-        mode="compact", max_batch=3, backend="batched", cost_table=cost_table, launch_ahead=True
+        mode=mode, max_batch=3, backend="batched", cost_table=cost_table, launch_ahead=True
     )
     res, steps, req_steps = _run(cfg, reqs, stop_ids=(5,))
     assert any(row["verify_len"] < cfg.gamma + 1 for row in req_steps)  # cut at the floor
@@ -153,6 +159,31 @@ def test_records_of_a_launched_ahead_run_add_up(
     for row in req_steps:
         count[row["forward_ct"]] += 1
     assert all(s["bs"] == count[s["forward_ct"]] for s in steps)
+
+
+def test_a_launched_ahead_cap_accept_run_is_its_compact_run_plus_the_ceiling() -> None:
+    """Cap-accept's trimmed steps launch ahead too: compact's windows, then the drafts past
+    them on top. What it commits is its compact run's, row for row, and its ``cap_trim``
+    (drafts accepted past the windows) is the split step's, which verifies the same drafts
+    after reading them back."""
+    target, drafter = loop_models(1)  # a 6-token vocabulary: random drafts often survive
+    reqs = loop_requests(8, seed=1)
+    runs = {}
+    for mode, kw in (("compact", {}), ("cap-accept", {}),
+                     ("split", {"device_windows": False, "launch_ahead": False})):  # fmt: skip
+        cfg = EngineConfig(mode="compact" if mode == "compact" else "cap-accept", max_batch=4,
+                           backend="batched", cost_table=trimming_table(),
+                           **{"launch_ahead": True, **kw})  # fmt: skip
+        sink = MemorySink()
+        Engine(target, drafter, cfg).run(reqs, FanOut([sink]).emit, mode)
+        runs[mode] = _per_request(sink.table("req_steps").to_pylist())
+    for rid, rows in runs["compact"].items():
+        for col in ("verify_len", "acc_len", "correct_drafts", "bonus_token", "confidence"):
+            assert [r[col] for r in rows] == [r[col] for r in runs["cap-accept"][rid]], col
+        cap = [r["cap_trim"] for r in runs["cap-accept"][rid]]
+        assert cap == [r["cap_trim"] for r in runs["split"][rid]]
+    assert any(r["verify_len"] < 6 for x in runs["compact"].values() for r in x)
+    assert sum(r["cap_trim"] for x in runs["cap-accept"].values() for r in x) > 0
 
 
 def _per_request(req_steps: list[dict]) -> dict[str, list[dict]]:

@@ -103,13 +103,14 @@ def _records(target, drafter, cfg: EngineConfig, reqs: list[GenRequest]):
 
 
 def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    calls = {"whole": 0, "trimmed": 0}
+    calls = {"whole": 0, "trimmed": 0, "rest": 0}
     for cls in (BatchedRuntime, ReferenceRuntime):
         real = cls.verify_block
 
         def spy(self, block, floor=None, budget=None, _real=real, **kw):  # type: ignore[no-untyped-def]
             calls["whole"] += 1
             calls["trimmed"] += budget is not None and budget < block.tokens.numel()
+            calls["rest"] += bool(kw.get("rest"))
             return _real(self, block, floor, budget, **kw)
 
         monkeypatch.setattr(cls, "verify_block", spy)
@@ -129,17 +130,20 @@ def test_whole_block_steps_change_no_token_and_no_record(
     calls = _counting(monkeypatch)
     out = {}
     for whole in (True, False):
-        calls["whole"] = calls["trimmed"] = 0
+        calls["whole"] = calls["trimmed"] = calls["rest"] = 0
         cfg = EngineConfig(mode=mode, max_batch=3, backend=backend, cost_table=_mild_table(),
                            whole_block_verify=whole, launch_ahead=False)  # fmt: skip
         res, tables = _records(target, drafter, cfg, reqs)
-        out[whole] = (res.outputs, tables, res.steps, calls["whole"], calls["trimmed"])
-    (outs_a, tables_a, steps, whole_steps, trimmed), (outs_b, tables_b, _, none, _) = (
+        out[whole] = (res.outputs, tables, res.steps, calls["whole"], calls["trimmed"],
+                      calls["rest"])  # fmt: skip
+    (outs_a, tables_a, steps, whole_steps, trimmed, rest), (outs_b, tables_b, _, none, _, _) = (
         out[True], out[False]
     )
     assert none == 0 and 0 < whole_steps < steps  # both kinds of step ran
-    # compact's trimmed budgets run as whole-block steps too (windows packed on the device)
-    assert (trimmed > 0) == (mode == "compact")
+    # trimmed budgets run as whole-block steps too (windows packed on the device); a
+    # trimmed cap-accept step verifies the drafts past its windows on top (cap_trim)
+    assert (trimmed > 0) == (mode != "static")
+    assert rest == (trimmed if mode == "cap-accept" else 0)
     assert outs_a == outs_b
     assert tables_a == tables_b
 

@@ -163,6 +163,7 @@ class BatchedRuntime:
                 "verify": GraphBank(self._verify_fn, self.device),
                 "prefill": GraphBank(self._prefill_fn, self.device),
                 "block": GraphBank(self._block_fn, self.device, ("rows", "q", "span")),
+                "rest": GraphBank(self._rest_fn, self.device, ("rows", "q", "span")),
                 "draft": GraphBank(self._draft_fn, self.device),
             }
         return pool
@@ -452,6 +453,7 @@ class BatchedRuntime:
         budget: int | None = None,
         *,
         windows_only: bool = False,
+        rest: bool = False,
     ) -> BlockVerified:
         """Verify the anchor and the drafts of slots ``0..B-1`` (B = the block's rows) and
         accept greedily, all on the device and under graphs in one replay (:meth:`_block_fn`):
@@ -464,9 +466,17 @@ class BatchedRuntime:
         reads this one. The host commits each row with ``commit(..., on_device=True)``. The
         target runs the forward :meth:`forward` runs, so the numbers are the same too; its
         logits stay in the model's dtype (the argmax of the same values;
-        :meth:`BlockVerified.rows` reads them in float32)."""
+        :meth:`BlockVerified.rows` reads them in float32).
+
+        ``rest`` (with ``windows_only``; cap-accept): a second replay (:meth:`_rest_fn`)
+        verifies each row's drafts past its window over the windows' K/V, for the argmax
+        only. The first replay is the one a compact step runs, so what is committed is
+        bitwise compact's. Its pack holds ``B * gamma - budget`` rows when every draft is a
+        candidate, else ``B * gamma`` (the host does not know how many the floor cut)."""
         batch, gamma = block.tokens.shape
         q = gamma + 1
+        if rest and not windows_only:
+            raise ValueError("rest verifies the drafts past the windows: it needs windows_only")
         plan = block_plan(batch, gamma, floor, budget, windows_only)
         n = batch + int(plan[1]) if windows_only else batch * q
         self._flush()
@@ -491,6 +501,9 @@ class BatchedRuntime:
             for name in ("drafts", "conf", "logprobs"):
                 inputs[name] = F.pad(inputs[name], (0, 0, 0, bt - batch))
         logits, summary, new_len, bonus = self._run(bank, (q, bt, nt, span), self._block_fn, inputs)
+        rest_n = batch * gamma - (int(plan[1]) if floor is None else 0)
+        if rest and rest_n > 0:
+            summary = self._verify_rest(inputs, summary, bt, batch, rest_n)
         self._dlen[:batch].copy_(new_len[:batch])
         self._danchor[:batch].copy_(bonus[:batch])
         self._ahead_by[:batch] += 1
@@ -505,8 +518,31 @@ class BatchedRuntime:
             ready.record()
         return BlockVerified(
             logits[:n], summary, gamma, copy, ready, windows_only=windows_only,
-            counts_into=self.target if windows_only else None,
+            counts_into=self.target if windows_only else None, rest=rest,
         )  # fmt: skip
+
+    def _verify_rest(
+        self, block_inputs: dict[str, Tensor], summary: Tensor, bt: int, batch: int, n: int
+    ) -> Tensor:
+        """:meth:`_rest_fn` over a whole-block verify's inputs (before its lengths advance):
+        the summary with the argmax of the drafts past the windows filled in."""
+        _, nt, graphed = self._tiers(batch, n)
+        q, span = block_inputs["q"], block_inputs["span"]
+        key = (q.shape[0], bt, nt, span.shape[0])
+        drafts = block_inputs["drafts"]
+        if graphed and key not in self._banks["rest"]:  # captured at bt rows
+            drafts = F.pad(drafts, (0, 0, 0, bt - drafts.shape[0]))
+        inputs = {
+            "drafts": drafts,
+            "start": block_inputs["start"],
+            "anchors": block_inputs["anchors"],
+            "summary": summary,  # the block function's, bt rows
+            "rows": torch.empty(nt, device=self.device),
+            "q": q,
+            "span": span,
+        }
+        bank = "rest" if graphed else "eager"
+        return self._run(bank, key, self._rest_fn, inputs)[0]
 
     def _block_fn(
         self,
@@ -543,6 +579,36 @@ class BatchedRuntime:
         keep, bonus = accept_on_device(drafts, pred, window)
         summary = block_summary(drafts, conf, logprobs, survival, pred, keep, window)
         return logits, summary, start + keep + 1, bonus
+
+    def _rest_fn(
+        self,
+        drafts: Tensor,
+        start: Tensor,
+        anchors: Tensor,
+        summary: Tensor,
+        rows: Tensor,
+        q: Tensor,
+        span: Tensor,
+    ) -> tuple[Tensor]:
+        """Cap-accept's second forward (graph-safe): each live row's drafts from its window
+        on (:func:`window_pack` from column ``window``), at their own positions over the
+        K/V the windows' forward wrote; returns the summary with their argmax filled in
+        (the acceptance, the windows and the new lengths are the first forward's)."""
+        bt, nq = start.shape[0], q.shape[0]
+        g = nq - 1
+        window = summary[:, 5 * g + 2].long()
+        send = torch.where(window > 0, nq - window, 0)
+        tokens, slot, pos, qidx = window_pack(
+            send, start, anchors, drafts, rows.shape[0], self.pool.trash, first=window
+        )
+        states = self._states(
+            tokens=tokens, slot=slot, pos=pos, qidx=qidx, past=start, q=q, span=span
+        )
+        grid = torch.full((bt * nq + 1,), -1, dtype=torch.long, device=start.device)
+        pred = grid.scatter_(0, qidx, self.target.lm_head(states).argmax(-1))[: bt * nq]
+        head = summary[:, 4 * g : 5 * g + 1]
+        merged = torch.where(pred.view(bt, nq) >= 0, pred.view(bt, nq).float(), head)
+        return (torch.cat([summary[:, : 4 * g], merged, summary[:, 5 * g + 1 :]], dim=1),)
 
     def _plan(self, plan: np.ndarray) -> Tensor:
         """A :func:`block_plan` on the device, kept per value: a steady batch uploads
@@ -641,10 +707,13 @@ class BatchedRuntime:
             probs[idx] = sub.probs
         return DraftBlock(tokens, lps, probs, z, conf)
 
-    def graph_keys(self, span_end: int, trims: bool = False) -> list[tuple[str, tuple]]:
+    def graph_keys(
+        self, span_end: int, trims: bool = False, rest: bool = False
+    ) -> list[tuple[str, tuple]]:
         """The verify and draft graphs a decode step can replay while every slot ends before
         ``span_end`` (what :meth:`capture` takes at start-up; ``trims``: compact budgets may
-        trim a whole-block step's pack)."""
+        trim a whole-block step's pack; ``rest``: cap-accept verifies the drafts past the
+        windows too)."""
         spans = sorted({self._span(e) for e in (64, *self.length_tiers) if e <= span_end})
         return decode_graph_keys(
             self.gamma,
@@ -653,6 +722,7 @@ class BatchedRuntime:
             self.token_tiers,
             drafting=self.drafter is not None,
             trims=trims,
+            rest=rest,
         )
 
     def capture(
@@ -661,6 +731,7 @@ class BatchedRuntime:
         progress: Callable[[str], None] | None = None,
         *,
         trims: bool = False,
+        rest: bool = False,
     ) -> int:
         """Capture the decode step's CUDA graphs up front (they are otherwise captured on
         first use, inside a step): returns how many were new. A no-op without graphs."""
@@ -668,7 +739,8 @@ class BatchedRuntime:
             return 0
         if self.used:
             raise RuntimeError("capture graphs before any request runs (drafting writes slots)")
-        todo = [(b, k) for b, k in self.graph_keys(span_end, trims) if k not in self._banks[b]]
+        keys = self.graph_keys(span_end, trims, rest)
+        todo = [(b, k) for b, k in keys if k not in self._banks[b]]
         t0 = time.perf_counter()
         for i, (bank, key) in enumerate(todo, 1):
             self._banks[bank].capture(key, dummy_inputs(bank, key, self.device, self.pool.trash))

@@ -114,18 +114,29 @@ def windows_on_device(survival: Tensor, budget: Tensor, floor: Tensor, live: Ten
 
 
 def window_pack(
-    send: Tensor, start: Tensor, anchors: Tensor, drafts: Tensor, rows: int, trash: int
+    send: Tensor,
+    start: Tensor,
+    anchors: Tensor,
+    drafts: Tensor,
+    rows: int,
+    trash: int,
+    first: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(tokens, slot, pos, qidx)`` of a pack of ``rows`` rows holding, for each grid row
-    ``r``, its first ``send[r]`` tokens (the anchor, then its drafts) into slot ``r`` at
-    positions ``start[r] + j`` (grid cell ``r * q + j``); rows past ``sum(send)`` are padding
-    into the scratch slot ``trash`` (:meth:`Pack.layout`'s arrays, built on the device from
-    lengths the host does not know)."""
+    ``r``, ``send[r]`` tokens of its block (the anchor, then its drafts) from column
+    ``first[r]`` on (default 0) into slot ``r`` at positions ``start[r] + j`` (grid cell
+    ``r * q + j`` for column ``j``); rows past ``sum(send)`` are padding into the scratch slot
+    ``trash`` (:meth:`Pack.layout`'s arrays, built on the device from lengths the host does
+    not know). ``first``: cap-accept's drafts past the windows, verified over the windows'
+    K/V (:meth:`~dspark_obs.engine.batched.BatchedRuntime.verify_block`'s ``rest``)."""
     batch, q = drafts.shape[0], drafts.shape[1] + 1
     ends = send.cumsum(0)
     i = torch.arange(rows, device=send.device)
     owner = torch.searchsorted(ends, i, right=True).clamp(max=batch - 1)
-    j = (i - (ends - send)[owner]).clamp(0, q - 1)
+    j = i - (ends - send)[owner]
+    if first is not None:
+        j = j + first[owner]
+    j = j.clamp(0, q - 1)
     real = i < ends[-1]
     grid = torch.cat([anchors[:, None], drafts], dim=1)
     tokens = torch.where(real, grid[owner, j], 0)
@@ -190,6 +201,10 @@ class BlockVerified:
     :meth:`fetch`: the runtime does not know them when it launches)."""
     kept: torch.cuda.Event | None = None
     """Where :meth:`keep_logits`' copy is complete (CUDA)."""
+    rest: bool = False
+    """The drafts past the windows were verified too, in a second forward (cap-accept):
+    their argmax is in the summary, their logits are not kept (``logits`` holds the windows'
+    rows only)."""
 
     @property
     def logits_ready(self) -> torch.cuda.Event | None:
@@ -226,7 +241,8 @@ class BlockVerified:
             sent = out.window if self.windows_only else np.full(len(out.window), g + 1)
             self.offsets = np.cumsum(sent) - sent
         if self.counts_into is not None:
-            self.counts_into.tokens_processed += int(out.window.sum())
+            sent = len(out.window) * (g + 1) if self.rest else int(out.window.sum())
+            self.counts_into.tokens_processed += sent
             self.counts_into = None
         return out
 

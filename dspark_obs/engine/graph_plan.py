@@ -12,6 +12,8 @@ Keys, per bank (the runtime's graph banks):
 * ``block``: ``(q, batch tier, token tier, span)`` -- a whole-block verify with its windows
   and greedy acceptance (:meth:`BatchedRuntime.verify_block`); a ``compact`` step whose budget
   trims packs fewer tokens, so with ``trims`` every token tier up to the block's is a key;
+* ``rest``: ``(q, batch tier, token tier, span)`` -- cap-accept's second forward, the drafts
+  past the windows (:meth:`BatchedRuntime.verify_block`'s ``rest``);
 * ``draft``: ``(batch tier, gamma, span)`` -- the drafter's block pass and greedy chain.
 """
 
@@ -35,12 +37,13 @@ def decode_graph_keys(
     *,
     drafting: bool,
     trims: bool = False,
+    rest: bool = False,
 ) -> list[tuple[str, tuple]]:
     """Every ``(bank, key)`` a decode step of ``gamma`` drafts can replay at these key spans
     and batch tiers (ascending; those the pool holds): for each batch tier the verify token
     tiers above the tier below it, the block tiers its batch sizes pad to (``trims``: also
-    those of every trimmed budget, ``b + budget`` tokens for ``b`` requests), and
-    (``drafting``) its draft graph."""
+    those of every trimmed budget, ``b + budget`` tokens for ``b`` requests), (``rest``) the
+    tiers of every count of drafts past the windows, and (``drafting``) its draft graph."""
     q = gamma + 1
     keys: list[tuple[str, tuple]] = []
     low = 0
@@ -50,6 +53,10 @@ def decode_graph_keys(
         counts = range(low + 1, bt * q + 1) if trims else range((low + 1) * q, bt * q + 1, q)
         for nt in sorted({tier_of(n, token_tiers) for n in counts}):
             keys += [("block", (q, bt, nt, span)) for span in spans]
+        if rest:
+            past = range(1, bt * gamma + 1)
+            for nt in sorted({tier_of(n, token_tiers) for n in past}):
+                keys += [("rest", (q, bt, nt, span)) for span in spans]
         if drafting:
             keys += [("draft", (bt, gamma, span)) for span in spans]
         low = bt
@@ -77,6 +84,17 @@ def dummy_inputs(bank: str, key: tuple, device: torch.device, trash: int) -> dic
             "start": torch.zeros(bt, dtype=torch.long, device=dev),
             "anchors": torch.zeros(bt, dtype=torch.long, device=dev),
             "plan": torch.tensor([0.0, 0.0, -1.0, 0.0], device=dev),  # no live row: all padding
+            "rows": torch.empty(nt, device=dev),
+            "q": torch.empty(q, device=dev),
+            "span": torch.empty(span, device=dev),
+        }
+    if bank == "rest":
+        q, bt, nt, span = key
+        return {
+            "drafts": torch.zeros(bt, q - 1, dtype=torch.long, device=dev),
+            "start": torch.zeros(bt, dtype=torch.long, device=dev),
+            "anchors": torch.zeros(bt, dtype=torch.long, device=dev),
+            "summary": torch.zeros(bt, 5 * (q - 1) + 3, device=dev),  # windows 0: padding
             "rows": torch.empty(nt, device=dev),
             "q": torch.empty(q, device=dev),
             "span": torch.empty(span, device=dev),

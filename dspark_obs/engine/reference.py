@@ -174,11 +174,15 @@ class ReferenceRuntime:
         budget: int | None = None,
         *,
         windows_only: bool = False,
+        rest: bool = False,
     ) -> BlockVerified:
-        """Verify the anchor and the drafts of slots ``0..B-1`` (one :meth:`forward`): the
-        windows, the pack (``windows_only``: the windows only) and the acceptance it reports are the
-        batched runtime's rules, but the caches move only when the host commits (this
-        runtime never launches a step ahead)."""
+        """Verify the anchor and the drafts of slots ``0..B-1`` (one :meth:`forward`; ``rest``:
+        a second one for the drafts past the windows, cap-accept's): the windows, the pack
+        (``windows_only``: the windows only) and the acceptance it reports are the batched
+        runtime's rules, but the caches move only when the host commits (this runtime never
+        launches a step ahead)."""
+        if rest and not windows_only:
+            raise ValueError("rest verifies the drafts past the windows: it needs windows_only")
         batch, gamma = block.tokens.shape
         tokens, conf = block.tokens.cpu(), block.confidence.cpu()
         survival = survival_of(conf)
@@ -191,6 +195,11 @@ class ReferenceRuntime:
         argmax = torch.full((batch, gamma + 1), -1, dtype=torch.long)
         for i, pred in enumerate(out.argmax):
             argmax[i, : len(pred)] = torch.from_numpy(pred)
+        short = [i for i in range(batch) if sent[i] <= gamma] if rest else []
+        if short:
+            tails = [drafts[i][sent[i] - 1 :] for i in short]
+            for i, pred in zip(short, self.forward(short, tails).argmax, strict=True):
+                argmax[i, sent[i] :] = torch.from_numpy(pred)
         keep, _ = accept_on_device(tokens, argmax, window)
         summary = block_summary(tokens, conf, block.logprobs.cpu(), survival, argmax, keep, window)
-        return BlockVerified(out.logits, summary, gamma, windows_only=windows_only)
+        return BlockVerified(out.logits, summary, gamma, windows_only=windows_only, rest=rest)

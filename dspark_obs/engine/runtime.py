@@ -121,13 +121,16 @@ class Runtime(Protocol):
         budget: int | None = None,
         *,
         windows_only: bool = False,
+        rest: bool = False,
     ) -> BlockVerified:
         """Verify the anchor and the drafts of slots ``0..B-1`` (B = the block's rows), the
         drafts staying on the device, and accept greedily within windows allocated there from
         the live survival: ``budget`` drafts in all (None: every candidate), by the
         scheduler's top-``b`` rule, drafts whose survival is below ``floor`` never (None: all
-        are candidates); ``windows_only`` sends only the windows, else every block. ``fetch()`` on
-        the result is the one read-back."""
+        are candidates); ``windows_only`` sends only the windows, else every block; ``rest``
+        (with ``windows_only``; cap-accept) then verifies the drafts past the windows in a
+        second forward, for their argmax only. ``fetch()`` on the result is the one
+        read-back."""
         ...
 
 
@@ -163,7 +166,10 @@ def engine_runtime(
     )  # fmt: skip
     if cfg.capture_graphs:
         table = cfg.cost_table
-        trims = cfg.mode == "compact" and cfg.device_windows
+        trims = cfg.mode in ("compact", "cap-accept") and cfg.device_windows
         trims = trims and table is not None and not table.uninitialized
-        batched.capture(max_len, lambda line: print(line, file=sys.stderr), trims=trims)
+        rest = cfg.mode == "cap-accept" and cfg.device_windows
+        batched.capture(
+            max_len, lambda line: print(line, file=sys.stderr), trims=trims, rest=rest
+        )
     return batched

@@ -24,9 +24,11 @@ allocated there from the live survival under the budget the host took from the l
 and the greedy acceptance included), and on a runtime that can launch ahead it is read one
 call later, after the next such step launched from the device's own lengths and anchors
 (``EngineConfig.launch_ahead``): the host's per-request work of step k then overlaps the
-device's step k + 1. Any other step (the split step: rows are sampled, penalized or masked,
-or a ``cap-accept`` budget trims) reads the drafts back before it verifies, after the step in
-flight was read.
+device's step k + 1. A trimmed ``cap-accept`` step runs compact's windows, then the drafts
+past them in a second forward on top (their argmax counts ``cap_trim``), both launched
+without a host value. Any other step (the split step: rows are sampled, penalized or masked,
+or ``device_windows`` is off and the budget trims) reads the drafts back before it verifies,
+after the step in flight was read.
 """
 
 from __future__ import annotations
@@ -207,10 +209,17 @@ class StepPipeline:
         t_draft = time.perf_counter()
         if events:
             events[2].record()
-        floor = None if self.cfg.mode == "static" else self.scheduler.survival_floor
+        mode = self.cfg.mode
+        floor = None if mode == "static" else self.scheduler.survival_floor
         budget = None if decision is None else decision.budget
-        windows_only = self.cfg.mode == "compact"  # it sends verify_len tokens per request
-        verified = self.rt.verify_block(block, floor, budget, windows_only=windows_only)
+        # compact sends verify_len tokens per request; a cap-accept step whose budget trims
+        # sends compact's windows, then the drafts past them (the ceiling) on top
+        rest = mode == "cap-accept" and budget is not None and budget < len(running) * (
+            self.cfg.gamma
+        )
+        verified = self.rt.verify_block(
+            block, floor, budget, windows_only=mode == "compact" or rest, rest=rest
+        )
         if events:
             events[3].record()
         t_end = time.perf_counter()
@@ -267,7 +276,8 @@ class StepPipeline:
             lengths_before = [self.rt.length(live.slot) for live in lives]
         else:
             lengths_before = [launched.lengths_before[i] for i in index]
-        logits = launched.verified.rows(send, index)
+        # a cap-accept step's rows past its windows were verified for their argmax only
+        logits = launched.verified.rows(verify_lens if launched.verified.rest else send, index)
         done, outcomes = self._accept_and_commit(
             lives, launched.block, host.drafts, verify_lens, send, logits, [], lengths_before,
             io.result, accepted, on_device=True,
@@ -493,10 +503,10 @@ class StepPipeline:
         verify_block`), decided before it drafts (``pending``: earlier steps not read yet),
         and the budget decision it launches with: every row greedy, with no penalty and no
         ``min_new_tokens`` mask (those rewrite the target rows on the host), and a budget
-        (from lagged survival) that covers every draft, or trims a ``compact`` step
-        (``EngineConfig.device_windows``: its windows are then allocated and packed on the
-        device). A trimmed ``cap-accept`` step keeps the split step's two forwards, so that
-        it commits bitwise what its compact run commits."""
+        (from lagged survival) that covers every draft, or trims (``EngineConfig.
+        device_windows``: the windows are then allocated and packed on the device; a trimmed
+        ``cap-accept`` step verifies compact's windows first, then the drafts past them, so
+        that it commits bitwise what its compact run commits)."""
         cfg, q = self.cfg, self.cfg.gamma + 1
         if not cfg.whole_block_verify:
             return False, None
@@ -508,9 +518,7 @@ class StepPipeline:
         decision = self.scheduler.decide_ahead([r.req.rid for r in running], pending)
         if decision is None:
             return False, None
-        if decision.budget < len(running) * cfg.gamma and not (
-            cfg.mode == "compact" and cfg.device_windows
-        ):
+        if decision.budget < len(running) * cfg.gamma and not cfg.device_windows:
             return False, None
         return True, decision
 

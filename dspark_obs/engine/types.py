@@ -69,7 +69,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # batched backend on CUDA: replay captured graphs
     overlap: bool = True  # build step k's records while the device drafts step k + 1
     whole_block_verify: bool = True  # verify right after drafting when every block is verified
-    # ... and when a compact budget trims: windows allocated and packed on the device
+    # ... and when a compact or cap-accept budget trims: windows allocated, packed on the device
     device_windows: bool = True
     # whole-block steps: launch step k + 1 before reading step k (None: where it overlaps
     # anything, i.e. on an asynchronous runtime such as CUDA; True also on the CPU)
