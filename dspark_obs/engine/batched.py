@@ -27,6 +27,9 @@ per-request Python work, not tokens. Here (the parts live in :mod:`dspark_obs.en
   smaller graph. On the CPU (or with graphs off) the same functions run eagerly at exact
   sizes: CI tests this path.
 
+The whole-block verify (draft and verify back to back, the windows, the acceptance and the
+read-back summary on the device) is :class:`~dspark_obs.engine.block_step.BlockSteps`.
+
 Everything numeric is the reference path's own modules (norms, projections, rotary tables,
 the drafter's Markov recursion); only the data layout and the launch pattern differ.
 """
@@ -39,18 +42,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from dspark_obs.engine.block_verify import (
-    BlockVerified,
-    accept_on_device,
-    block_plan,
-    block_summary,
-    plan_windows,
-    survival_of,
-    window_pack,
-)
+from dspark_obs.engine.block_step import BlockSteps
 from dspark_obs.engine.drafter import DraftBlock, Drafter
 from dspark_obs.engine.graph_plan import decode_graph_keys, dummy_inputs
 from dspark_obs.engine.model import Target
@@ -89,7 +83,7 @@ class VerifyOut:
         return logits, [self.argmax[a:e] for a, e in zip(starts, ends, strict=True)]
 
 
-class BatchedRuntime:
+class BatchedRuntime(BlockSteps):
     """Target + drafter over one :class:`SlotPool`, eager or under CUDA graphs.
 
     The engine asks for slots, prefills into them, drafts for the first ``B`` slots, verifies
@@ -164,6 +158,9 @@ class BatchedRuntime:
                 "prefill": GraphBank(self._prefill_fn, self.device),
                 "block": GraphBank(self._block_fn, self.device, ("rows", "q", "span")),
                 "rest": GraphBank(self._rest_fn, self.device, ("rows", "q", "span")),
+                "sampled": GraphBank(
+                    self._sampled_block_fn, self.device, ("rows", "q", "span", "filters")
+                ),
                 "draft": GraphBank(self._draft_fn, self.device),
             }
         return pool
@@ -445,181 +442,6 @@ class BatchedRuntime:
         if self.graphs_on and bt <= self.pool.slots and nt in self.token_tiers:
             return bt, nt, True
         return batch, n, False
-
-    def verify_block(
-        self,
-        block: DraftBlock,
-        floor: float | None = None,
-        budget: int | None = None,
-        *,
-        windows_only: bool = False,
-        rest: bool = False,
-    ) -> BlockVerified:
-        """Verify the anchor and the drafts of slots ``0..B-1`` (B = the block's rows) and
-        accept greedily, all on the device and under graphs in one replay (:meth:`_block_fn`):
-        the windows are allocated from the live survival (``budget`` drafts in all, the
-        top-``b`` rule, candidates from ``floor`` up; None: every candidate), the pack's
-        positions come from the device lengths, its tokens from the device anchors and the
-        drafts (see :mod:`~dspark_obs.engine.block_verify`); ``windows_only`` sends only the windows
-        (``B + budget`` tokens at most), else every block. The acceptance (within the windows)
-        advances the device lengths and anchors, so the next draft can launch before the host
-        reads this one. The host commits each row with ``commit(..., on_device=True)``. The
-        target runs the forward :meth:`forward` runs, so the numbers are the same too; its
-        logits stay in the model's dtype (the argmax of the same values;
-        :meth:`BlockVerified.rows` reads them in float32).
-
-        ``rest`` (with ``windows_only``; cap-accept): a second replay (:meth:`_rest_fn`)
-        verifies each row's drafts past its window over the windows' K/V, for the argmax
-        only. The first replay is the one a compact step runs, so what is committed is
-        bitwise compact's. Its pack holds ``B * gamma - budget`` rows when every draft is a
-        candidate, else ``B * gamma`` (the host does not know how many the floor cut)."""
-        batch, gamma = block.tokens.shape
-        q = gamma + 1
-        if rest and not windows_only:
-            raise ValueError("rest verifies the drafts past the windows: it needs windows_only")
-        plan = block_plan(batch, gamma, floor, budget, windows_only)
-        n = batch + int(plan[1]) if windows_only else batch * q
-        self._flush()
-        end = self._longest(batch) + q
-        if end > self.pool.max_len:
-            raise RuntimeError(f"slot pool holds {self.pool.max_len} positions, step needs {end}")
-        bt, nt, graphed = self._tiers(batch, n)
-        span = self._span(end)
-        inputs = {
-            "drafts": block.tokens,
-            "conf": block.confidence,
-            "logprobs": block.logprobs,
-            "start": self._dlen[:bt],
-            "anchors": self._danchor[:bt],
-            "plan": self._plan(plan),
-            "rows": torch.empty(nt, device=self.device),  # shape carriers (graph key parts)
-            "q": torch.empty(q, device=self.device),
-            "span": torch.empty(span, device=self.device),
-        }
-        bank = "block" if graphed else "eager"
-        if graphed and (q, bt, nt, span) not in self._banks[bank]:  # captured at bt rows
-            for name in ("drafts", "conf", "logprobs"):
-                inputs[name] = F.pad(inputs[name], (0, 0, 0, bt - batch))
-        logits, summary, new_len, bonus = self._run(bank, (q, bt, nt, span), self._block_fn, inputs)
-        rest_n = batch * gamma - (int(plan[1]) if floor is None else 0)
-        if rest and rest_n > 0:
-            summary = self._verify_rest(inputs, summary, bt, batch, rest_n)
-        self._dlen[:batch].copy_(new_len[:batch])
-        self._danchor[:batch].copy_(bonus[:batch])
-        self._ahead_by[:batch] += 1
-        if not windows_only:  # a windows-only pack's tokens are counted when read
-            self.target.tokens_processed += n
-        summary = summary[:batch]
-        copy = ready = None
-        if self.asynchronous:  # started now; fetch() waits for this step only
-            copy = torch.empty(summary.shape, dtype=summary.dtype, pin_memory=True)
-            copy.copy_(summary, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        return BlockVerified(
-            logits[:n], summary, gamma, copy, ready, windows_only=windows_only,
-            counts_into=self.target if windows_only else None, rest=rest,
-        )  # fmt: skip
-
-    def _verify_rest(
-        self, block_inputs: dict[str, Tensor], summary: Tensor, bt: int, batch: int, n: int
-    ) -> Tensor:
-        """:meth:`_rest_fn` over a whole-block verify's inputs (before its lengths advance):
-        the summary with the argmax of the drafts past the windows filled in."""
-        _, nt, graphed = self._tiers(batch, n)
-        q, span = block_inputs["q"], block_inputs["span"]
-        key = (q.shape[0], bt, nt, span.shape[0])
-        drafts = block_inputs["drafts"]
-        if graphed and key not in self._banks["rest"]:  # captured at bt rows
-            drafts = F.pad(drafts, (0, 0, 0, bt - drafts.shape[0]))
-        inputs = {
-            "drafts": drafts,
-            "start": block_inputs["start"],
-            "anchors": block_inputs["anchors"],
-            "summary": summary,  # the block function's, bt rows
-            "rows": torch.empty(nt, device=self.device),
-            "q": q,
-            "span": span,
-        }
-        bank = "rest" if graphed else "eager"
-        return self._run(bank, key, self._rest_fn, inputs)[0]
-
-    def _block_fn(
-        self,
-        drafts: Tensor,
-        conf: Tensor,
-        logprobs: Tensor,
-        start: Tensor,
-        anchors: Tensor,
-        plan: Tensor,
-        rows: Tensor,
-        q: Tensor,
-        span: Tensor,
-    ) -> tuple[Tensor, ...]:
-        """A whole-block verify of the ``bt`` grid rows (graph-safe): the windows
-        (:func:`windows_on_device`; ``plan`` = live rows, budget, floor, windows only), the pack of
-        ``rows`` rows (:func:`window_pack`: each live row's window, or its whole block; grid
-        row r is slot r; rows past the real ones are padding into the scratch slot), the
-        target forward, the greedy acceptance and the host summary. Returns logits, summary,
-        the new lengths and anchors."""
-        bt, nq = start.shape[0], q.shape[0]
-        survival = survival_of(conf)
-        window = plan_windows(survival, plan)
-        whole = torch.where(torch.arange(bt, device=start.device) < plan[0:1], nq, 0)
-        send = torch.where(plan[3:4] > 0, window, whole)
-        tokens, slot, pos, qidx = window_pack(
-            send, start, anchors, drafts, rows.shape[0], self.pool.trash
-        )
-        states = self._states(
-            tokens=tokens, slot=slot, pos=pos, qidx=qidx, past=start, q=q, span=span
-        )
-        logits = self.target.lm_head(states)  # the model's dtype: rows are upcast where read
-        grid = torch.full((bt * nq + 1,), -1, dtype=torch.long, device=start.device)
-        pred = grid.scatter_(0, qidx, logits.argmax(-1))[: bt * nq].view(bt, nq)
-        keep, bonus = accept_on_device(drafts, pred, window)
-        summary = block_summary(drafts, conf, logprobs, survival, pred, keep, window)
-        return logits, summary, start + keep + 1, bonus
-
-    def _rest_fn(
-        self,
-        drafts: Tensor,
-        start: Tensor,
-        anchors: Tensor,
-        summary: Tensor,
-        rows: Tensor,
-        q: Tensor,
-        span: Tensor,
-    ) -> tuple[Tensor]:
-        """Cap-accept's second forward (graph-safe): each live row's drafts from its window
-        on (:func:`window_pack` from column ``window``), at their own positions over the
-        K/V the windows' forward wrote; returns the summary with their argmax filled in
-        (the acceptance, the windows and the new lengths are the first forward's)."""
-        bt, nq = start.shape[0], q.shape[0]
-        g = nq - 1
-        window = summary[:, 5 * g + 2].long()
-        send = torch.where(window > 0, nq - window, 0)
-        tokens, slot, pos, qidx = window_pack(
-            send, start, anchors, drafts, rows.shape[0], self.pool.trash, first=window
-        )
-        states = self._states(
-            tokens=tokens, slot=slot, pos=pos, qidx=qidx, past=start, q=q, span=span
-        )
-        grid = torch.full((bt * nq + 1,), -1, dtype=torch.long, device=start.device)
-        pred = grid.scatter_(0, qidx, self.target.lm_head(states).argmax(-1))[: bt * nq]
-        head = summary[:, 4 * g : 5 * g + 1]
-        merged = torch.where(pred.view(bt, nq) >= 0, pred.view(bt, nq).float(), head)
-        return (torch.cat([summary[:, : 4 * g], merged, summary[:, 5 * g + 1 :]], dim=1),)
-
-    def _plan(self, plan: np.ndarray) -> Tensor:
-        """A :func:`block_plan` on the device, kept per value: a steady batch uploads
-        nothing."""
-        key = plan.tobytes()
-        cached = self._plans.get(key)
-        if cached is None:
-            if len(self._plans) > 256:
-                self._plans.clear()
-            cached = self._plans[key] = self._device(plan)
-        return cached
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> Tensor:
         """Run prompts into empty slots together: float logits [k, V] of each prompt's last

@@ -33,9 +33,11 @@ __all__ = [
     "BlockHost",
     "BlockVerified",
     "LogitRows",
+    "RowSampling",
     "accept_on_device",
     "block_plan",
     "block_summary",
+    "summary_width",
     "plan_windows",
     "survival_of",
     "window_pack",
@@ -54,10 +56,31 @@ class BlockHost:
     argmax: np.ndarray  # [B, gamma + 1] int64: the target's argmax per row (-1: not verified)
     keep: np.ndarray  # [B] int64: drafts the device accepted (see accept_on_device)
     window: np.ndarray  # [B] int64: the device's verify_len per row (see windows_on_device)
+    full: np.ndarray  # [B] int64: drafts accepted over every verified one, before the window
+    token: np.ndarray  # [B] int64: the token committed after the kept drafts
 
     def rows(self, index: np.ndarray) -> BlockHost:
         """These rows only (requests still running when the step is read)."""
         return BlockHost(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+
+
+@dataclass
+class RowSampling:
+    """The sampled rows of a whole-block verify (row i = slot i; greedy rows have
+    temperature 0 and are accepted by the greedy rule): each row's sampler and the
+    ``gamma + 1`` uniforms its acceptance consumes (:func:`~dspark_obs.engine.acceptance.
+    draw_uniforms`, drawn on the host from the request's generator when the step launches:
+    the same stream, in the same order, as the split step draws them)."""
+
+    temperature: np.ndarray  # [B] float64 (the request's own values: the host's arithmetic)
+    top_p: np.ndarray  # [B] float64
+    top_k: np.ndarray  # [B] int64 (-1: off)
+    coins: np.ndarray  # [B, gamma + 1] float64 (greedy rows: unused)
+
+    @property
+    def filters(self) -> bool:
+        """Whether a row truncates (top-k or top-p): the sorts run only then."""
+        return bool((self.top_k != -1).any() or (self.top_p != 1.0).any())
 
 
 def survival_of(confidence: Tensor) -> Tensor:
@@ -146,16 +169,24 @@ def window_pack(
     return tokens, slot, pos, qidx
 
 
-def accept_on_device(drafts: Tensor, argmax: Tensor, window: Tensor) -> tuple[Tensor, Tensor]:
-    """Greedy acceptance of a whole-block verify on the device: ``(keep, bonus)`` per row,
-    the leading drafts equal to the target's argmax, capped to ``window - 1`` (the row's
-    ``verify_len``; a row with window 0 keeps 0), and the target's token after them. The same
-    rule as :func:`~dspark_obs.engine.acceptance.greedy_accept_batch` on the host, which
-    checks it (the host reads ``keep`` back)."""
+def accept_on_device(
+    drafts: Tensor, argmax: Tensor, window: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Greedy acceptance of a whole-block verify on the device: ``(keep, bonus, full)`` per
+    row, the leading drafts equal to the target's argmax (``full``; unverified cells hold
+    -1, which no draft equals), capped to ``window - 1`` (the row's ``verify_len``; a row
+    with window 0 keeps 0), and the target's token after them. The same rule as
+    :func:`~dspark_obs.engine.acceptance.greedy_accept_batch` on the host, which checks it
+    (the host reads ``keep`` back)."""
     gamma = drafts.shape[1]
-    keep = (drafts == argmax[:, :gamma]).long().cumprod(dim=1).sum(dim=1)
-    keep = torch.minimum(keep, (window - 1).clamp(min=0))
-    return keep, argmax.gather(1, keep[:, None])[:, 0]
+    full = (drafts == argmax[:, :gamma]).long().cumprod(dim=1).sum(dim=1)
+    keep = torch.minimum(full, (window - 1).clamp(min=0))
+    return keep, argmax.gather(1, keep[:, None])[:, 0], full
+
+
+def summary_width(gamma: int) -> int:
+    """Columns of a :func:`block_summary`."""
+    return 5 * gamma + 5
 
 
 def block_summary(
@@ -166,13 +197,15 @@ def block_summary(
     argmax: Tensor,
     keep: Tensor,
     window: Tensor,
+    full: Tensor,
+    token: Tensor,
 ) -> Tensor:
-    """One float32 tensor [B, 5 * gamma + 3] holding what :class:`BlockHost` reads (token ids
-    below 2 ** 24 are exact in float32: SmolLM2's vocabulary is 49,152)."""
+    """One float32 tensor [B, :func:`summary_width`] holding what :class:`BlockHost` reads
+    (token ids below 2 ** 24 are exact in float32: SmolLM2's vocabulary is 49,152)."""
     bs = tokens.shape[0]
     parts = (
         tokens, confidence, logprobs, survival, argmax.reshape(bs, -1), keep[:, None],
-        window[:, None],
+        window[:, None], full[:, None], token[:, None],
     )  # fmt: skip
     return torch.cat([p.float() for p in parts], dim=1)
 
@@ -236,6 +269,8 @@ class BlockVerified:
             argmax=host[:, 4 * g : 5 * g + 1].astype(np.int64),
             keep=host[:, 5 * g + 1].astype(np.int64),
             window=host[:, 5 * g + 2].astype(np.int64),
+            full=host[:, 5 * g + 3].astype(np.int64),
+            token=host[:, 5 * g + 4].astype(np.int64),
         )
         if isinstance(self.logits, Tensor):
             sent = out.window if self.windows_only else np.full(len(out.window), g + 1)

@@ -12,6 +12,9 @@ Keys, per bank (the runtime's graph banks):
 * ``block``: ``(q, batch tier, token tier, span)`` -- a whole-block verify with its windows
   and greedy acceptance (:meth:`BatchedRuntime.verify_block`); a ``compact`` step whose budget
   trims packs fewer tokens, so with ``trims`` every token tier up to the block's is a key;
+* ``sampled``: ``(q, batch tier, token tier, span, filters)`` -- a whole-block verify with
+  sampled rows (rejection sampling in the replay; ``filters``: a row truncates). Not taken at
+  start-up: the first step of each key with a sampled row captures it;
 * ``rest``: ``(q, batch tier, token tier, span)`` -- cap-accept's second forward, the drafts
   past the windows (:meth:`BatchedRuntime.verify_block`'s ``rest``);
 * ``draft``: ``(batch tier, gamma, span)`` -- the drafter's block pass and greedy chain.
@@ -24,6 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from dspark_obs.engine.block_verify import summary_width
 from dspark_obs.engine.slots import tier_of
 
 __all__ = ["decode_graph_keys", "dummy_inputs"]
@@ -94,7 +98,7 @@ def dummy_inputs(bank: str, key: tuple, device: torch.device, trash: int) -> dic
             "drafts": torch.zeros(bt, q - 1, dtype=torch.long, device=dev),
             "start": torch.zeros(bt, dtype=torch.long, device=dev),
             "anchors": torch.zeros(bt, dtype=torch.long, device=dev),
-            "summary": torch.zeros(bt, 5 * (q - 1) + 3, device=dev),  # windows 0: padding
+            "summary": torch.zeros(bt, summary_width(q - 1), device=dev),  # windows 0: padding
             "rows": torch.empty(nt, device=dev),
             "q": torch.empty(q, device=dev),
             "span": torch.empty(span, device=dev),

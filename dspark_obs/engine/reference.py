@@ -19,12 +19,14 @@ from torch import Tensor
 
 from dspark_obs.engine.block_verify import (
     BlockVerified,
+    RowSampling,
     accept_on_device,
     block_plan,
     block_summary,
     plan_windows,
     survival_of,
 )
+from dspark_obs.engine.device_sampling import accept_sampled_grid
 from dspark_obs.engine.drafter import DraftBlock, Drafter
 from dspark_obs.engine.drafter_cache import DrafterCache
 from dspark_obs.engine.model import KVCache, Target
@@ -175,14 +177,18 @@ class ReferenceRuntime:
         *,
         windows_only: bool = False,
         rest: bool = False,
+        sampling: RowSampling | None = None,
     ) -> BlockVerified:
         """Verify the anchor and the drafts of slots ``0..B-1`` (one :meth:`forward`; ``rest``:
         a second one for the drafts past the windows, cap-accept's): the windows, the pack
         (``windows_only``: the windows only) and the acceptance it reports are the batched
         runtime's rules, but the caches move only when the host commits (this runtime never
-        launches a step ahead)."""
+        launches a step ahead); ``sampling``'s rows of temperature > 0 are accepted by the
+        batched runtime's rejection sampling too."""
         if rest and not windows_only:
             raise ValueError("rest verifies the drafts past the windows: it needs windows_only")
+        if rest and sampling is not None:
+            raise ValueError("rest counts greedy drafts only: sampled rows take the split step")
         batch, gamma = block.tokens.shape
         tokens, conf = block.tokens.cpu(), block.confidence.cpu()
         survival = survival_of(conf)
@@ -200,6 +206,42 @@ class ReferenceRuntime:
             tails = [drafts[i][sent[i] - 1 :] for i in short]
             for i, pred in zip(short, self.forward(short, tails).argmax, strict=True):
                 argmax[i, sent[i] :] = torch.from_numpy(pred)
-        keep, _ = accept_on_device(tokens, argmax, window)
-        summary = block_summary(tokens, conf, block.logprobs.cpu(), survival, argmax, keep, window)
+        keep, token, full = accept_on_device(tokens, argmax, window)
+        if sampling is not None:
+            keep, full, token = _sampled(sampling, block, out.logits, argmax, window, keep, full,
+                                         token)  # fmt: skip
+        summary = block_summary(
+            tokens, conf, block.logprobs.cpu(), survival, argmax, keep, window, full, token
+        )
         return BlockVerified(out.logits, summary, gamma, windows_only=windows_only, rest=rest)
+
+
+def _sampled(
+    sampling: RowSampling,
+    block: DraftBlock,
+    logits: Sequence[Tensor],
+    argmax: Tensor,
+    window: Tensor,
+    keep: Tensor,
+    full: Tensor,
+    token: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(keep, full, token)`` with the rows of temperature > 0 accepted by rejection sampling
+    (:func:`~dspark_obs.engine.device_sampling.accept_sampled_grid` over the rows' logits laid
+    out on the block's grid); greedy rows keep the greedy rule's."""
+    batch, q = argmax.shape
+    grid = torch.zeros(batch, q, logits[0].shape[-1], dtype=logits[0].dtype)
+    for i, rows in enumerate(logits):
+        grid[i, : rows.shape[0]] = rows.detach().cpu()
+    sent = torch.tensor([rows.shape[0] for rows in logits])
+    s_keep, s_full, s_token = accept_sampled_grid(
+        grid, torch.from_numpy(sampling.temperature), torch.from_numpy(sampling.top_p),
+        torch.from_numpy(sampling.top_k), block.tokens.cpu(), block.probs.cpu(),
+        torch.from_numpy(sampling.coins), sent, window, filters=sampling.filters,
+    )  # fmt: skip
+    greedy = torch.from_numpy(sampling.temperature) <= 0
+    return (
+        torch.where(greedy, keep, s_keep),
+        torch.where(greedy, full, s_full),
+        torch.where(greedy, token, s_token),
+    )

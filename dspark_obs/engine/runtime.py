@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from dspark_obs.engine.batched import BatchedRuntime
-from dspark_obs.engine.block_verify import BlockVerified
+from dspark_obs.engine.block_verify import BlockVerified, RowSampling
 from dspark_obs.engine.drafter import DraftBlock, Drafter
 from dspark_obs.engine.model import Target
 from dspark_obs.engine.reference import ReferenceRuntime
@@ -122,6 +122,7 @@ class Runtime(Protocol):
         *,
         windows_only: bool = False,
         rest: bool = False,
+        sampling: RowSampling | None = None,
     ) -> BlockVerified:
         """Verify the anchor and the drafts of slots ``0..B-1`` (B = the block's rows), the
         drafts staying on the device, and accept greedily within windows allocated there from
@@ -129,8 +130,9 @@ class Runtime(Protocol):
         scheduler's top-``b`` rule, drafts whose survival is below ``floor`` never (None: all
         are candidates); ``windows_only`` sends only the windows, else every block; ``rest``
         (with ``windows_only``; cap-accept) then verifies the drafts past the windows in a
-        second forward, for their argmax only. ``fetch()`` on the result is the one
-        read-back."""
+        second forward, for their argmax only; ``sampling``: rows of temperature > 0 are
+        accepted by lossless rejection sampling there too (greedy rows by the greedy rule).
+        ``fetch()`` on the result is the one read-back."""
         ...
 
 

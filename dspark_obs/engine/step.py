@@ -18,17 +18,19 @@ running batch (ordered by slot), and gets back the requests that finished.
 
 The record work of step k runs while the device drafts step k + 1 (``overlap``), or right away.
 
-A whole-block step (:meth:`StepPipeline._whole_block`: every row greedy and unpenalized) runs
-1-4 on the device without a host value in between (:meth:`Runtime.verify_block`: the windows,
+A whole-block step (:meth:`StepPipeline._whole_block`: no row penalized or masked) runs 1-4
+on the device without a host value in between (:meth:`Runtime.verify_block`: the windows,
 allocated there from the live survival under the budget the host took from the lagged one,
-and the greedy acceptance included), and on a runtime that can launch ahead it is read one
+and the acceptance included: greedy, or rejection sampling with coins the host drew from each
+request's generator at launch), and on a runtime that can launch ahead it is read one
 call later, after the next such step launched from the device's own lengths and anchors
 (``EngineConfig.launch_ahead``): the host's per-request work of step k then overlaps the
 device's step k + 1. A trimmed ``cap-accept`` step runs compact's windows, then the drafts
 past them in a second forward on top (their argmax counts ``cap_trim``), both launched
-without a host value. Any other step (the split step: rows are sampled, penalized or masked,
-or ``device_windows`` is off and the budget trims) reads the drafts back before it verifies,
-after the step in flight was read.
+without a host value (greedy rows only). Any other step (the split step: rows are
+penalized or masked, ``device_windows`` is off and the budget trims, or a trimmed
+``cap-accept`` batch has a sampled row) reads the drafts back before it verifies, after the
+step in flight was read.
 """
 
 from __future__ import annotations
@@ -46,12 +48,13 @@ from dspark_obs.analytics.estimator_recorder import sglang_skips_estimator
 from dspark_obs.engine.acceptance import (
     AcceptResult,
     accept,
+    draw_uniforms,
     greedy_accept_argmax,
     greedy_accept_batch,
     process_logits,
     process_logprobs,
 )
-from dspark_obs.engine.block_verify import BlockVerified
+from dspark_obs.engine.block_verify import BlockHost, BlockVerified, RowSampling
 from dspark_obs.engine.censored import ESTIMATOR_MIN_TEMPERATURE
 from dspark_obs.engine.drafter import DraftBlock
 from dspark_obs.engine.host_copy import rows_event
@@ -218,8 +221,9 @@ class StepPipeline:
             self.cfg.gamma
         )
         verified = self.rt.verify_block(
-            block, floor, budget, windows_only=mode == "compact" or rest, rest=rest
-        )
+            block, floor, budget, windows_only=mode == "compact" or rest, rest=rest,
+            sampling=self._sampling(running),
+        )  # fmt: skip
         if events:
             events[3].record()
         t_end = time.perf_counter()
@@ -267,11 +271,7 @@ class StepPipeline:
                 f"{verify_lens.tolist()}"
             )
         send = verify_lens if cfg.mode == "compact" else np.full(bs, gamma + 1, dtype=np.int64)
-        window = verify_lens if cfg.mode == "cap-accept" else None
-        vocab = self.target.cfg.vocab_size
-        accepted = greedy_accept_batch(host.argmax, host.drafts, send, vocab, windows=window)
-        if [a.correct_drafts for a in accepted] != host.keep.tolist():
-            raise RuntimeError("the device's acceptance differs from the host's greedy rule")
+        accepted = self._accepted(lives, host, send, verify_lens)
         if launched.lengths_before is None:
             lengths_before = [self.rt.length(live.slot) for live in lives]
         else:
@@ -290,6 +290,52 @@ class StepPipeline:
             launched.verified.logits_ready,
         )  # fmt: skip
         return done
+
+    def _sampling(self, running: list[Live]) -> RowSampling | None:
+        """The samplers of a whole-block step's rows and the uniforms their acceptance
+        consumes, drawn now (after the draft drew its own, as the split step draws them);
+        None when every row is greedy."""
+        if all(live.greedy for live in running):
+            return None
+        gamma, bs = self.cfg.gamma, len(running)
+        coins = np.zeros((bs, gamma + 1), dtype=np.float64)
+        for i, live in enumerate(running):
+            if not live.greedy:
+                coins[i] = draw_uniforms(live.gen, gamma)
+        reqs = [live.req for live in running]
+        temps = [0.0 if live.greedy else live.req.temperature for live in running]
+        return RowSampling(
+            temperature=np.array(temps, dtype=np.float64),  # the values the host divides by
+            top_p=np.array([r.top_p for r in reqs], dtype=np.float64),
+            top_k=np.array([r.top_k for r in reqs], dtype=np.int64),
+            coins=coins,
+        )
+
+    def _accepted(
+        self, lives: list[Live], host: BlockHost, send: np.ndarray, verify_lens: np.ndarray
+    ) -> list[AcceptResult]:
+        """Each row's acceptance from a whole-block step's read-back: greedy rows by the
+        host's own rule from the target's argmax, checked against the device's; sampled rows
+        as the device's rejection sampling decided them (its coins were the request's)."""
+        window = verify_lens if self.cfg.mode == "cap-accept" else None
+        greedy = np.fromiter((live.greedy for live in lives), bool, len(lives))
+        out: list[AcceptResult | None] = [None] * len(lives)
+        rows = np.flatnonzero(greedy)
+        if len(rows):
+            vocab = self.target.cfg.vocab_size
+            decided = greedy_accept_batch(
+                host.argmax[rows], host.drafts[rows], send[rows], vocab,
+                windows=None if window is None else window[rows],
+            )  # fmt: skip
+            if [a.correct_drafts for a in decided] != host.keep[rows].tolist():
+                raise RuntimeError("the device's acceptance differs from the host's greedy rule")
+            for i, res in zip(rows.tolist(), decided, strict=True):
+                out[i] = res
+        for i in np.flatnonzero(~greedy).tolist():
+            c, full, tok = int(host.keep[i]), int(host.full[i]), int(host.token[i])
+            drafts = host.drafts[i, :c].tolist()
+            out[i] = AcceptResult(c, [*drafts, tok], tok, full, full - c, int(verify_lens[i]))
+        return out  # type: ignore[return-value]
 
     def _split_step(self, running: list[Live], fct: int, io: StepIO) -> list[Live]:
         """A step that reads the drafts before it verifies: the plan needs the current
@@ -490,35 +536,43 @@ class StepPipeline:
         request still has censored blocks, or the step may open one (a window fully accepted
         short of its block; only its read-back tells, and that comes after the next launch).
         Windows fall short of the block only under a survival floor (a table or a forced
-        budget, which is what trims too); rows are greedy on this path, and SGLang's rule
-        (``estimator_rows="sglang"``) opens no block on greedy rows."""
+        budget, which is what trims too); SGLang's rule (``estimator_rows="sglang"``) opens
+        no block on greedy or truncated rows."""
         if any(live.censored for live in running):
             return True
-        if self.cfg.mode == "static" or self.cfg.estimator_rows == "sglang":
+        if self.cfg.mode == "static":
+            return False
+        if self.cfg.estimator_rows == "sglang" and all(
+            sglang_skips_estimator(r.req.temperature, r.req.top_k, r.req.top_p) for r in running
+        ):
             return False
         return self.scheduler.survival_floor is not None
 
     def _whole_block(self, running: list[Live], pending: int) -> tuple[bool, BudgetDecision | None]:
         """Whether this step runs draft and verify back to back (:meth:`Runtime.
         verify_block`), decided before it drafts (``pending``: earlier steps not read yet),
-        and the budget decision it launches with: every row greedy, with no penalty and no
-        ``min_new_tokens`` mask (those rewrite the target rows on the host), and a budget
-        (from lagged survival) that covers every draft, or trims (``EngineConfig.
-        device_windows``: the windows are then allocated and packed on the device; a trimmed
-        ``cap-accept`` step verifies compact's windows first, then the drafts past them, so
-        that it commits bitwise what its compact run commits)."""
+        and the budget decision it launches with: no row with a penalty or a
+        ``min_new_tokens`` mask (those rewrite the target rows on the host; sampled rows are
+        accepted on the device), and a budget (from lagged survival) that covers every draft,
+        or trims (``EngineConfig.device_windows``: the windows are then allocated and packed
+        on the device; a trimmed ``cap-accept`` step of greedy rows verifies compact's
+        windows first, then the drafts past them, so that it commits bitwise what its
+        compact run commits)."""
         cfg, q = self.cfg, self.cfg.gamma + 1
         if not cfg.whole_block_verify:
             return False, None
         for live in running:  # a row's output only grows: a stale mask count is an upper bound
-            if not live.greedy or live.counts is not None or live.masked_rows(q):
+            if live.counts is not None or live.masked_rows(q):
                 return False, None
         if cfg.mode == "static":
             return True, None
         decision = self.scheduler.decide_ahead([r.req.rid for r in running], pending)
         if decision is None:
             return False, None
-        if decision.budget < len(running) * cfg.gamma and not cfg.device_windows:
+        if decision.budget < len(running) * cfg.gamma and not (
+            cfg.device_windows
+            and (cfg.mode == "compact" or all(live.greedy for live in running))
+        ):  # a trimmed cap-accept step counts its drafts past the windows greedily only
             return False, None
         return True, decision
 
