@@ -95,17 +95,23 @@ def test_process_rows_temperature_edges_and_float64_compare() -> None:
         assert torch.equal(out[n], ref), n
 
 
-def test_filters_false_equals_filters_true_on_unfiltered_rows() -> None:
+def test_skipping_a_filter_no_row_uses_changes_nothing() -> None:
     vocab = 211
     gen = torch.Generator().manual_seed(2)
     logits = _logits(gen, 10, vocab, torch.float32)
     t = torch.tensor([0.0, 1.0, 0.5, 1.7, 1e-8, 0.9, 1.0, 2.5, 0.3, 1.0])
     p = torch.ones(10)
     k = torch.full((10,), -1)
-    fast = process_rows(logits, t, p, k, filters=False)
-    assert torch.equal(fast, process_rows(logits, t, p, k, filters=True))
+    fast = process_rows(logits, t, p, k, use_top_k=False, use_top_p=False)
+    assert torch.equal(fast, process_rows(logits, t, p, k))
     for n, ref in enumerate(_host_rows(logits, t, p, k)):
         assert torch.equal(fast[n], ref)
+    top_p = torch.tensor([1.0, 0.8, 1.0, 0.5, 1.0, 0.95, 1.0, 0.3, 1.0, 0.7])
+    assert torch.equal(process_rows(logits, t, top_p, k, use_top_k=False),
+                       process_rows(logits, t, top_p, k))  # fmt: skip
+    top_k = torch.tensor([-1, 3, -1, 50, 1, -1, 7, vocab, -1, 2])
+    assert torch.equal(process_rows(logits, t, p, top_k, use_top_p=False),
+                       process_rows(logits, t, p, top_k))  # fmt: skip
 
 
 def test_coin_flags_and_leading_true() -> None:

@@ -64,7 +64,8 @@ def test_sampled_rows_on_the_device_commit_and_record_what_the_split_step_does(
     for whole in (True, False):
         calls["block"] = calls["sampled"] = 0
         cfg = EngineConfig(mode=mode, max_batch=4, backend=backend, cost_table=table,
-                           whole_block_verify=whole, launch_ahead=False)  # fmt: skip
+                           whole_block_verify=whole, launch_ahead=False,
+                           device_sampling=True)  # fmt: skip
         res, tables = _records(target, drafter, cfg, reqs)
         out[whole] = (res.outputs, tables, calls["sampled"])
     (outs_a, tables_a, sampled), (outs_b, tables_b, none) = out[True], out[False]
@@ -90,7 +91,8 @@ def test_a_launched_ahead_sampled_run_commits_what_the_synchronous_one_does(
     outs = {}
     for ahead in (True, False):
         cfg = EngineConfig(mode="compact", max_batch=3, backend="batched",
-                           cost_table=_free_table(), launch_ahead=ahead)  # fmt: skip
+                           cost_table=_free_table(), launch_ahead=ahead,
+                           device_sampling=True)  # fmt: skip
         outs[ahead] = _records(target, drafter, cfg, reqs)[0].outputs
     assert outs[True] == outs[False]
     assert calls["sampled"] > 0
@@ -113,7 +115,7 @@ def test_a_trimmed_cap_accept_batch_with_a_sampled_row_takes_the_split_step(
 
     monkeypatch.setattr(BatchedRuntime, "verify_block", spy)
     cfg = EngineConfig(mode="cap-accept", max_batch=3, backend="batched",
-                       cost_table=_trimming_table())  # fmt: skip
+                       cost_table=_trimming_table(), device_sampling=True)  # fmt: skip
     _records(target, drafter, cfg, reqs)
     assert seen and not any(trimmed and sampled for trimmed, sampled in seen)
     assert any(sampled for _, sampled in seen) and any(trimmed for trimmed, _ in seen)
@@ -126,9 +128,25 @@ def test_the_coins_are_the_requests_own_stream() -> None:
     reqs = _mixed(8, seed=9)
     for r in reqs:
         r.arrival_step = 0
-    cfg = EngineConfig(mode="static", max_batch=8, backend="batched")
+    cfg = EngineConfig(mode="static", max_batch=8, backend="batched", device_sampling=True)
     together = _records(target, drafter, cfg, reqs)[0].outputs
     for r in reqs[1:4]:
         alone = _records(target, drafter, cfg, [r])[0].outputs
         assert alone[r.rid] == together[r.rid]
     assert np.mean([len(v) for v in together.values()]) > 5
+
+
+def test_on_a_synchronous_runtime_sampled_rows_take_the_split_step_unless_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the CPU nothing overlaps the host's acceptance, which reads only the verified rows:
+    by default sampled batches take the split step there (greedy ones still do not)."""
+    target, drafter = _models(9)
+    calls = _spy(monkeypatch)
+    for asked, want in ((None, False), (True, True)):
+        calls["block"] = calls["sampled"] = 0
+        cfg = EngineConfig(mode="static", max_batch=4, backend="batched", device_sampling=asked)
+        _records(target, drafter, cfg, _mixed(6, seed=10))
+        assert (calls["sampled"] > 0) == want and (calls["block"] > 0) == want
+        _records(target, drafter, cfg, _requests(4, seed=10))  # greedy: whole blocks anyway
+        assert calls["block"] > 0

@@ -5,6 +5,8 @@ and the engine with the old step (``whole_block_verify=False``), record for reco
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -207,21 +209,30 @@ def test_a_device_pack_is_the_host_pack_of_the_same_windows() -> None:
         assert pos[:n].tolist() == want.pos[:n].tolist()  # padding positions: any (scratch)
 
 
-def test_a_compact_run_paired_with_a_companion_keeps_its_trimmed_steps_split(
+def test_a_greedy_pair_packs_its_windows_on_the_device_and_a_sampled_pair_on_the_host(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The cap-accept companion's trimmed steps run the split step, whose forward shapes the
-    compact run of the pair must share (bf16 rounds by shape), so that run plans its trimmed
-    steps on the host; alone, compact packs them on the device."""
+    """A compact run and its cap-accept companion must run the same forward shapes (bf16
+    rounds by shape). Greedy, both trim on the device (cap-accept's first forward is
+    compact's own replay) and commit the same tokens; with a sampled request, cap-accept's
+    trimmed steps take the split step, so compact's do too; alone, compact packs them on
+    the device."""
     target, drafter = _models(7)
     models = Models(target=target, drafter=drafter, tokenizer=None, stop_ids=(),
                     model_name="tiny", drafter_name="tiny")  # fmt: skip
     reqs = _requests(5, seed=8)
     cfg = EngineConfig(mode="compact", max_batch=3, backend="batched", cost_table=_mild_table())
     calls = _counting(monkeypatch)
-    run_with_companion(models, reqs, cfg, [MemorySink()], "paired", companion=True)
-    assert calls["whole"] > 0 and calls["trimmed"] == 0
-    _records(target, drafter, cfg, reqs)
+    compact, cap, _ = run_with_companion(models, reqs, cfg, [MemorySink()], "paired",
+                                         companion=True)  # fmt: skip
+    assert calls["trimmed"] > 0 and calls["rest"] > 0
+    assert cap is not None and compact.outputs == cap.outputs
+    sampled = [GenRequest(**{**vars(r), "temperature": 0.8}) if i == 2 else r
+               for i, r in enumerate(reqs)]  # fmt: skip
+    calls["whole"] = calls["trimmed"] = 0
+    run_with_companion(models, sampled, cfg, [MemorySink()], "paired-s", companion=True)
+    assert calls["trimmed"] == 0
+    _records(target, drafter, replace(cfg, device_sampling=True), sampled)
     assert calls["trimmed"] > 0
 
 

@@ -28,7 +28,7 @@ from dspark_obs.engine.block_verify import (
     survival_of,
     window_pack,
 )
-from dspark_obs.engine.device_sampling import accept_sampled_grid
+from dspark_obs.engine.device_sampling import accept_sampled_pack
 from dspark_obs.engine.drafter import DraftBlock
 from dspark_obs.engine.host_copy import upload
 
@@ -100,7 +100,7 @@ class BlockSteps:
         bank, fn = "block", self._block_fn
         if sampling is not None:
             inputs.update(self._sampling_inputs(sampling, block, bt))
-            key, bank, fn = (*key, int(sampling.filters)), "sampled", self._sampled_block_fn
+            key, bank, fn = (*key, sampling.filters), "sampled", self._sampled_block_fn
         bank = bank if graphed else "eager"
         if graphed and key not in self._banks[bank]:  # captured at bt rows
             for name in ("drafts", "conf", "logprobs", "dprobs"):
@@ -145,7 +145,7 @@ class BlockSteps:
             "top_k": upload(top_k, self.device),
             "coins": upload(coins, self.device),
             "dprobs": block.probs,
-            "filters": torch.empty(int(sampling.filters), device=self.device),  # a key part
+            "filters": torch.empty(sampling.filters, device=self.device),  # a key part
         }
 
     def _verify_rest(
@@ -205,8 +205,8 @@ class BlockSteps:
         filters: Tensor,
     ) -> tuple[Tensor, ...]:
         """:meth:`_block` with rows of temperature > 0 accepted by rejection sampling
-        (``filters``: a shape carrier, 1 when a row truncates)."""
-        sampling = (temps, top_p, top_k, coins, dprobs, filters.shape[0] > 0)
+        (``filters``: a shape carrier, :attr:`RowSampling.filters` long)."""
+        sampling = (temps, top_p, top_k, coins, dprobs, filters.shape[0])
         return self._block(drafts, conf, logprobs, start, anchors, plan, rows, q, span, sampling)
 
     def _block(
@@ -246,10 +246,9 @@ class BlockSteps:
         keep, token, full = accept_on_device(drafts, pred, window)
         if sampling is not None:
             temps, top_p, top_k, coins, dprobs, filters = sampling
-            cells = logits.new_zeros(bt * nq + 1, logits.shape[-1]).index_copy_(0, qidx, logits)
-            s_keep, s_full, s_token = accept_sampled_grid(
-                cells[: bt * nq].view(bt, nq, -1), temps, top_p, top_k, drafts, dprobs, coins,
-                send, window, filters=filters,
+            s_keep, s_full, s_token = accept_sampled_pack(
+                logits, qidx, temps, top_p, top_k, drafts, dprobs, coins, send, window,
+                use_top_k=bool(filters & 2), use_top_p=bool(filters & 1),
             )  # fmt: skip
             greedy = temps <= 0
             keep = torch.where(greedy, keep, s_keep)

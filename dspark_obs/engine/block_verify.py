@@ -78,9 +78,19 @@ class RowSampling:
     coins: np.ndarray  # [B, gamma + 1] float64 (greedy rows: unused)
 
     @property
-    def filters(self) -> bool:
-        """Whether a row truncates (top-k or top-p): the sorts run only then."""
-        return bool((self.top_k != -1).any() or (self.top_p != 1.0).any())
+    def uses_top_k(self) -> bool:
+        """Whether a row keeps its top k only (that sort runs only then)."""
+        return bool((self.top_k != -1).any())
+
+    @property
+    def uses_top_p(self) -> bool:
+        """Whether a row keeps a nucleus only (that sort runs only then)."""
+        return bool((self.top_p != 1.0).any())
+
+    @property
+    def filters(self) -> int:
+        """The filters some row uses, as one number (top-k 2, top-p 1): a graph key part."""
+        return 2 * self.uses_top_k + self.uses_top_p
 
 
 def survival_of(confidence: Tensor) -> Tensor:

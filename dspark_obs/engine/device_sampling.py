@@ -23,7 +23,7 @@ from torch import Tensor
 from dspark_obs.engine.acceptance import SAMPLING_EPS
 
 __all__ = [
-    "accept_sampled_grid",
+    "accept_sampled_pack",
     "coin_flags",
     "final_draw",
     "leading_true",
@@ -44,7 +44,9 @@ def process_rows(
     top_p: Tensor,
     top_k: Tensor,
     *,
-    filters: bool = True,
+    use_top_k: bool = True,
+    use_top_p: bool = True,
+    greedy_rows: bool = True,
 ) -> Tensor:
     """Per-row :func:`~dspark_obs.engine.acceptance.process_logits` for ``logits`` [N, V].
 
@@ -56,8 +58,9 @@ def process_rows(
 
     ``temperature`` [N] and ``top_p`` [N] are compared and divided in float64 (a float32
     value widened to float64 is what ``float(t)`` hands the host). ``top_k`` [N] int64, -1
-    disables. ``filters=False``: the caller guarantees no row is truncated, so the two
-    sorts are skipped. Returns [N, V] float64.
+    disables. ``use_top_k=False`` / ``use_top_p=False``: the caller guarantees no row uses
+    that filter, so its sort is skipped; ``greedy_rows=False``: no row has a temperature
+    below ``SAMPLING_EPS`` (the one-hot rows are not built). Returns [N, V] float64.
     """
     x = logits.to(torch.float64)
     vocab = x.shape[-1]
@@ -66,7 +69,7 @@ def process_rows(
     # A safe divisor for greedy rows (their sampled row is discarded below): no 0 / inf.
     scaled = x / torch.where(greedy, torch.ones_like(t)[:, None], t[:, None])
 
-    if filters:
+    if use_top_k:
         k = top_k.to(device=x.device, dtype=torch.int64)[:, None]
         use_k = (k >= 1) & (k < vocab)
         order = torch.argsort(scaled, dim=-1, descending=True, stable=True)
@@ -77,7 +80,7 @@ def process_rows(
 
     probs = torch.softmax(scaled, dim=-1)
 
-    if filters:
+    if use_top_p:
         tp = top_p.to(device=x.device, dtype=torch.float64)[:, None]
         sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
         before = torch.cumsum(sorted_p, dim=-1) - sorted_p
@@ -87,6 +90,8 @@ def process_rows(
         nucleus = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
         probs = torch.where(tp < 1.0, nucleus, probs)
 
+    if not greedy_rows:
+        return probs
     # Greedy rows: one-hot at the first argmax of the logits, as the host (never scaled).
     return torch.where(greedy, _one_hot_argmax(x), probs)
 
@@ -186,8 +191,9 @@ def sample_rows(
     return ok, correct_full, token
 
 
-def accept_sampled_grid(
-    grid_logits: Tensor,
+def accept_sampled_pack(
+    logits: Tensor,
+    cell: Tensor,
     temperature: Tensor,
     top_p: Tensor,
     top_k: Tensor,
@@ -197,21 +203,28 @@ def accept_sampled_grid(
     verified: Tensor,
     window: Tensor,
     *,
-    filters: bool = True,
+    use_top_k: bool = True,
+    use_top_p: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """A whole-block verify's sampled acceptance from its target logits laid out as the
-    ``[B, G + 1, V]`` grid (row ``r``, column ``j``: after the anchor and drafts ``1..j``;
-    cells past ``verified[r]`` are ignored): each row's sampler (:func:`process_rows`,
-    per-row ``temperature`` / ``top_p`` / ``top_k``), then :func:`sample_rows`. Returns
-    ``(keep, correct_full, token)``: drafts committed (``min(correct_full, window - 1)``),
-    drafts the coins accepted over every verified one, and the final token. Rows with
+    """A whole-block verify's sampled acceptance from its pack of target logits rows:
+    ``logits`` [N, V], row ``n`` at grid cell ``cell[n]`` (``r * (G + 1) + j``: request
+    ``r``, after the anchor and drafts ``1..j``; padding rows at ``B * (G + 1)``). Each row
+    gets its request's sampler (:func:`process_rows`; only the pack's rows, not the whole
+    grid), the rows are laid out on the ``[B, G + 1]`` grid, then :func:`sample_rows`.
+    Returns ``(keep, correct_full, token)``: drafts committed (``min(correct_full, window -
+    1)``), drafts the coins accepted over every verified one, and the final token. Rows with
     ``verified`` or ``window`` 0 (padding) decide as if 1; their results are the caller's
-    to discard."""
-    bsz, rows, vocab = grid_logits.shape
-    per_cell = [x[:, None].expand(bsz, rows).reshape(-1) for x in (temperature, top_p, top_k)]
-    probs = process_rows(grid_logits.reshape(bsz * rows, vocab), *per_cell, filters=filters)
+    to discard, as are those of greedy rows (temperature < ``SAMPLING_EPS``: the caller
+    accepts them by the greedy rule; they are processed at temperature 1)."""
+    bsz, rows = drafts.shape[0], drafts.shape[1] + 1
+    owner = torch.div(cell, rows, rounding_mode="floor").clamp(max=bsz - 1)
+    temps = temperature.to(torch.float64)
+    temps = torch.where(temps < SAMPLING_EPS, torch.ones_like(temps), temps)
+    probs = process_rows(logits, temps[owner], top_p[owner], top_k[owner], use_top_k=use_top_k,
+                         use_top_p=use_top_p, greedy_rows=False)  # fmt: skip
+    grid = probs.new_zeros(bsz * rows + 1, probs.shape[-1]).index_copy_(0, cell, probs)
     verified, window = verified.clamp(min=1), window.clamp(min=1)
     _, full, token = sample_rows(
-        probs.view(bsz, rows, vocab), drafts, draft_probs, coins, verified, window
+        grid[: bsz * rows].view(bsz, rows, -1), drafts, draft_probs, coins, verified, window
     )
     return torch.minimum(full, window - 1), full, token

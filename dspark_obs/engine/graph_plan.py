@@ -13,7 +13,8 @@ Keys, per bank (the runtime's graph banks):
   and greedy acceptance (:meth:`BatchedRuntime.verify_block`); a ``compact`` step whose budget
   trims packs fewer tokens, so with ``trims`` every token tier up to the block's is a key;
 * ``sampled``: ``(q, batch tier, token tier, span, filters)`` -- a whole-block verify with
-  sampled rows (rejection sampling in the replay; ``filters``: a row truncates). Not taken at
+  sampled rows (rejection sampling in the replay; ``filters``: top-k 2 + top-p 1, the filters
+  a row uses). Not taken at
   start-up: the first step of each key with a sampled row captures it;
 * ``rest``: ``(q, batch tier, token tier, span)`` -- cap-accept's second forward, the drafts
   past the windows (:meth:`BatchedRuntime.verify_block`'s ``rest``);

@@ -20,7 +20,7 @@ Outcome = tuple[AcceptResult, list[int], list[int], str | None]
 and the finish reason (None: still running)."""
 
 
-@dataclass
+@dataclass(eq=False)  # a running request is an identity: removing one compares no fields
 class Live:
     """Per running request state."""
 

@@ -26,7 +26,7 @@ from dspark_obs.engine.block_verify import (
     plan_windows,
     survival_of,
 )
-from dspark_obs.engine.device_sampling import accept_sampled_grid
+from dspark_obs.engine.device_sampling import accept_sampled_pack
 from dspark_obs.engine.drafter import DraftBlock, Drafter
 from dspark_obs.engine.drafter_cache import DrafterCache
 from dspark_obs.engine.model import KVCache, Target
@@ -227,19 +227,19 @@ def _sampled(
     token: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(keep, full, token)`` with the rows of temperature > 0 accepted by rejection sampling
-    (:func:`~dspark_obs.engine.device_sampling.accept_sampled_grid` over the rows' logits laid
-    out on the block's grid); greedy rows keep the greedy rule's."""
-    batch, q = argmax.shape
-    grid = torch.zeros(batch, q, logits[0].shape[-1], dtype=logits[0].dtype)
-    for i, rows in enumerate(logits):
-        grid[i, : rows.shape[0]] = rows.detach().cpu()
+    (:func:`~dspark_obs.engine.device_sampling.accept_sampled_pack` over the rows' logits,
+    request after request); greedy rows keep the greedy rule's."""
+    q = argmax.shape[1]
     sent = torch.tensor([rows.shape[0] for rows in logits])
-    s_keep, s_full, s_token = accept_sampled_grid(
-        grid, torch.from_numpy(sampling.temperature), torch.from_numpy(sampling.top_p),
-        torch.from_numpy(sampling.top_k), block.tokens.cpu(), block.probs.cpu(),
-        torch.from_numpy(sampling.coins), sent, window, filters=sampling.filters,
+    cell = torch.cat([r * q + torch.arange(int(n)) for r, n in enumerate(sent.tolist())])
+    temps = torch.from_numpy(sampling.temperature)
+    s_keep, s_full, s_token = accept_sampled_pack(
+        torch.cat([rows.detach().cpu() for rows in logits]), cell, temps,
+        torch.from_numpy(sampling.top_p), torch.from_numpy(sampling.top_k), block.tokens.cpu(),
+        block.probs.cpu(), torch.from_numpy(sampling.coins), sent, window,
+        use_top_k=sampling.uses_top_k, use_top_p=sampling.uses_top_p,
     )  # fmt: skip
-    greedy = torch.from_numpy(sampling.temperature) <= 0
+    greedy = temps <= 0
     return (
         torch.where(greedy, keep, s_keep),
         torch.where(greedy, full, s_full),

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from dspark_obs.cost_table import CostTable
+from dspark_obs.engine.acceptance import SAMPLING_EPS
 from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.types import (
     EngineConfig,
@@ -127,9 +128,11 @@ def run_with_companion(
         raise EngineError(
             "--companion pairs a compact run with a cap-accept run: use --mode compact"
         )
-    if companion:
+    if companion and any(r.temperature >= SAMPLING_EPS for r in requests):
         # The pair must run the same forwards to commit the same tokens (bf16 rounds by
-        # shape): the companion's trimmed steps take the split step, so compact's do too.
+        # shape): a trimmed cap-accept batch with a sampled row takes the split step, so
+        # compact's trimmed steps do too. Greedy pairs both pack their windows on the device
+        # (cap-accept's first forward is then compact's own replay).
         config = replace(config, device_windows=False)
     engine = Engine(models.target, models.drafter, config, models.stop_ids)
     engine.check(requests)

@@ -552,14 +552,19 @@ class StepPipeline:
         """Whether this step runs draft and verify back to back (:meth:`Runtime.
         verify_block`), decided before it drafts (``pending``: earlier steps not read yet),
         and the budget decision it launches with: no row with a penalty or a
-        ``min_new_tokens`` mask (those rewrite the target rows on the host; sampled rows are
-        accepted on the device), and a budget (from lagged survival) that covers every draft,
-        or trims (``EngineConfig.device_windows``: the windows are then allocated and packed
-        on the device; a trimmed ``cap-accept`` step of greedy rows verifies compact's
-        windows first, then the drafts past them, so that it commits bitwise what its
-        compact run commits)."""
+        ``min_new_tokens`` mask (those rewrite the target rows on the host), sampled rows only
+        where they are accepted on the device (``EngineConfig.device_sampling``), and a
+        budget (from lagged survival) that covers every draft, or trims (``EngineConfig.
+        device_windows``: the windows are then allocated and packed on the device; a trimmed
+        ``cap-accept`` step of greedy rows verifies compact's windows first, then the drafts
+        past them, so that it commits bitwise what its compact run commits)."""
         cfg, q = self.cfg, self.cfg.gamma + 1
         if not cfg.whole_block_verify:
+            return False, None
+        sampled = not all(live.greedy for live in running)
+        if sampled and not (
+            self.rt.asynchronous if cfg.device_sampling is None else cfg.device_sampling
+        ):
             return False, None
         for live in running:  # a row's output only grows: a stale mask count is an upper bound
             if live.counts is not None or live.masked_rows(q):
@@ -570,8 +575,7 @@ class StepPipeline:
         if decision is None:
             return False, None
         if decision.budget < len(running) * cfg.gamma and not (
-            cfg.device_windows
-            and (cfg.mode == "compact" or all(live.greedy for live in running))
+            cfg.device_windows and (cfg.mode == "compact" or not sampled)
         ):  # a trimmed cap-accept step counts its drafts past the windows greedily only
             return False, None
         return True, decision

@@ -74,6 +74,10 @@ class EngineConfig:
     # whole-block steps: launch step k + 1 before reading step k (None: where it overlaps
     # anything, i.e. on an asynchronous runtime such as CUDA; True also on the CPU)
     launch_ahead: bool | None = None
+    # ... and with sampled rows, accepted on the device (None: on an asynchronous runtime;
+    # on the CPU the host's per-request acceptance measured cheaper: README, "Engine
+    # throughput")
+    device_sampling: bool | None = None
     compile: bool = False  # batched backend: fuse each layer's dense pieces (torch.compile)
     capture_graphs: bool = False  # capture every decode-step CUDA graph before the first step
     token_tiers: tuple[int, ...] | None = None  # packed-token counts graphs are captured for
