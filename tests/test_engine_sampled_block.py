@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 
 from dspark_obs.engine.batched import BatchedRuntime
-from dspark_obs.engine.reference import ReferenceRuntime
 from dspark_obs.engine.types import EngineConfig, GenRequest
 from tests.test_engine_launch_ahead import _free_table
 from tests.test_engine_loop import _models, _requests, _trimming_table
-from tests.test_engine_whole_block import _records
+from tests.test_engine_whole_block import _counting, _records
 
 SAMPLERS = [
     {"temperature": 0.0},
@@ -34,21 +33,6 @@ def _mixed(n: int, seed: int) -> list[GenRequest]:
     return reqs
 
 
-def _spy(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Counts whole-block verifies, and those that sampled a row on the device."""
-    calls = {"block": 0, "sampled": 0}
-    for cls in (BatchedRuntime, ReferenceRuntime):
-        real = cls.verify_block
-
-        def spy(self, block, *args, _real=real, **kw):  # type: ignore[no-untyped-def]
-            calls["block"] += 1
-            calls["sampled"] += kw.get("sampling") is not None
-            return _real(self, block, *args, **kw)
-
-        monkeypatch.setattr(cls, "verify_block", spy)
-    return calls
-
-
 @pytest.mark.parametrize("backend", ["batched", "reference"])
 @pytest.mark.parametrize("mode", ["static", "compact", "cap-accept"])
 def test_sampled_rows_on_the_device_commit_and_record_what_the_split_step_does(
@@ -56,13 +40,13 @@ def test_sampled_rows_on_the_device_commit_and_record_what_the_split_step_does(
 ) -> None:
     target, drafter = _models(5)  # a 6-token vocabulary: sampled drafts often survive
     reqs = _mixed(10, seed=6)
-    calls = _spy(monkeypatch)
+    calls = _counting(monkeypatch)
     # a trimmed cap-accept batch with a sampled row takes the split step (tested below):
     # there the budgets are full, and the floor still cuts some windows
     table = _free_table() if mode == "cap-accept" else _trimming_table()
     out = {}
     for whole in (True, False):
-        calls["block"] = calls["sampled"] = 0
+        calls["whole"] = calls["sampled"] = 0
         cfg = EngineConfig(mode=mode, max_batch=4, backend=backend, cost_table=table,
                            whole_block_verify=whole, launch_ahead=False,
                            device_sampling=True)  # fmt: skip
@@ -87,7 +71,7 @@ def test_a_launched_ahead_sampled_run_commits_what_the_synchronous_one_does(
     launching ahead, and a sampled request's tokens depend on its windows."""
     target, drafter = _models(6)
     reqs = _mixed(9, seed=7)
-    calls = _spy(monkeypatch)
+    calls = _counting(monkeypatch)
     outs = {}
     for ahead in (True, False):
         cfg = EngineConfig(mode="compact", max_batch=3, backend="batched",
@@ -142,11 +126,11 @@ def test_on_a_synchronous_runtime_sampled_rows_take_the_split_step_unless_asked(
     """On the CPU nothing overlaps the host's acceptance, which reads only the verified rows:
     by default sampled batches take the split step there (greedy ones still do not)."""
     target, drafter = _models(9)
-    calls = _spy(monkeypatch)
+    calls = _counting(monkeypatch)
     for asked, want in ((None, False), (True, True)):
-        calls["block"] = calls["sampled"] = 0
+        calls["whole"] = calls["sampled"] = 0
         cfg = EngineConfig(mode="static", max_batch=4, backend="batched", device_sampling=asked)
         _records(target, drafter, cfg, _mixed(6, seed=10))
-        assert (calls["sampled"] > 0) == want and (calls["block"] > 0) == want
+        assert (calls["sampled"] > 0) == want and (calls["whole"] > 0) == want
         _records(target, drafter, cfg, _requests(4, seed=10))  # greedy: whole blocks anyway
-        assert calls["block"] > 0
+        assert calls["whole"] > 0

@@ -105,7 +105,7 @@ def _records(target, drafter, cfg: EngineConfig, reqs: list[GenRequest]):
 
 
 def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    calls = {"whole": 0, "trimmed": 0, "rest": 0}
+    calls = {"whole": 0, "trimmed": 0, "rest": 0, "sampled": 0}
     for cls in (BatchedRuntime, ReferenceRuntime):
         real = cls.verify_block
 
@@ -113,6 +113,7 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
             calls["whole"] += 1
             calls["trimmed"] += budget is not None and budget < block.tokens.numel()
             calls["rest"] += bool(kw.get("rest"))
+            calls["sampled"] += kw.get("sampling") is not None
             return _real(self, block, floor, budget, **kw)
 
         monkeypatch.setattr(cls, "verify_block", spy)
