@@ -14,7 +14,13 @@ import torch
 from dspark_obs.cost_table import AdditiveCostTable
 from dspark_obs.engine.acceptance import greedy_accept_argmax, greedy_accept_batch
 from dspark_obs.engine.batched import BatchedRuntime
-from dspark_obs.engine.block_verify import LogitRows, block_plan, window_pack, windows_on_device
+from dspark_obs.engine.block_verify import (
+    LogitRows,
+    block_plan,
+    summary_columns,
+    window_pack,
+    windows_on_device,
+)
 from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.reference import ReferenceRuntime
 from dspark_obs.engine.scheduler import BudgetDecision, Scheduler, allocate
@@ -271,7 +277,7 @@ def test_a_padded_block_step_computes_what_the_exact_one_does() -> None:
     logits_b, summary_b, len_b, bonus_b, touched_b = run(batch + 3, 40)
     assert torch.equal(summary_a, summary_b[:batch])
     assert torch.equal(len_a, len_b[:batch]) and torch.equal(bonus_a, bonus_b[:batch])
-    window = 5 * gamma + 2  # block_summary's window column
+    window = summary_columns(gamma)["window"]
     n = int(summary_a[:, window].sum())  # the windows' tokens
     assert torch.allclose(logits_a[:n], logits_b[:n], atol=1e-5, rtol=0)
     assert not summary_b[batch:, window].any()  # padding rows get no window

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dspark_obs.engine.batched import BatchedRuntime
-from dspark_obs.engine.block_verify import RowSampling, block_plan
+from dspark_obs.engine.block_verify import RowSampling, block_plan, summary_columns
 from tests.test_engine_loop import _models, _requests
 
 
@@ -69,5 +69,5 @@ def test_cap_accepts_second_forward_is_one_graph(step_inputs) -> None:  # type: 
         "span": torch.empty(64),
     }  # fmt: skip
     (merged,) = _one_graph(rt._rest_fn, rest)
-    argmax = merged[:, 20:26]  # block_summary's argmax columns (gamma 5)
+    argmax = merged[:, summary_columns(5)["argmax"]]
     assert (argmax >= 0).all()  # every cell verified: the windows', then the rest

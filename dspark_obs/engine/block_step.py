@@ -24,11 +24,13 @@ from dspark_obs.engine.block_verify import (
     accept_on_device,
     block_plan,
     block_summary,
+    grid_argmax,
     plan_windows,
+    summary_columns,
     survival_of,
     window_pack,
 )
-from dspark_obs.engine.device_sampling import accept_sampled_pack
+from dspark_obs.engine.device_sampling import accept_sampled_pack, keep_greedy_rows
 from dspark_obs.engine.drafter import DraftBlock
 from dspark_obs.engine.host_copy import upload
 
@@ -69,8 +71,9 @@ class BlockSteps:
         candidate, else ``B * gamma`` (the host does not know how many the floor cut).
 
         ``sampling``: its sampled rows are accepted by lossless rejection sampling in the same
-        replay (:meth:`_sampled_block_fn`; graphs keyed by whether a row truncates, captured
-        when first used), greedy rows by the greedy rule."""
+        replay (:meth:`_sampled_block_fn`; graphs keyed by the filters the rows use,
+        :attr:`RowSampling.filters`, captured when first used), greedy rows by the greedy
+        rule."""
         batch, gamma = block.tokens.shape
         q = gamma + 1
         if rest and not windows_only:
@@ -241,19 +244,15 @@ class BlockSteps:
             tokens=tokens, slot=slot, pos=pos, qidx=qidx, past=start, q=q, span=span
         )
         logits = self.target.lm_head(states)  # the model's dtype: rows are upcast where read
-        grid = torch.full((bt * nq + 1,), -1, dtype=torch.long, device=start.device)
-        pred = grid.scatter_(0, qidx, logits.argmax(-1))[: bt * nq].view(bt, nq)
+        pred = grid_argmax(logits, qidx, bt, nq)
         keep, token, full = accept_on_device(drafts, pred, window)
         if sampling is not None:
             temps, top_p, top_k, coins, dprobs, filters = sampling
-            s_keep, s_full, s_token = accept_sampled_pack(
+            sampled = accept_sampled_pack(
                 logits, qidx, temps, top_p, top_k, drafts, dprobs, coins, send, window,
                 use_top_k=bool(filters & 2), use_top_p=bool(filters & 1),
             )  # fmt: skip
-            greedy = temps <= 0
-            keep = torch.where(greedy, keep, s_keep)
-            full = torch.where(greedy, full, s_full)
-            token = torch.where(greedy, token, s_token)
+            keep, full, token = keep_greedy_rows(temps, (keep, full, token), sampled)
         summary = block_summary(drafts, conf, logprobs, survival, pred, keep, window, full, token)
         return logits, summary, start + keep + 1, token
 
@@ -272,8 +271,8 @@ class BlockSteps:
         K/V the windows' forward wrote; returns the summary with their argmax filled in
         (the acceptance, the windows and the new lengths are the first forward's)."""
         bt, nq = start.shape[0], q.shape[0]
-        g = nq - 1
-        window = summary[:, 5 * g + 2].long()
+        cols = summary_columns(nq - 1)
+        window = summary[:, cols["window"]][:, 0].long()
         send = torch.where(window > 0, nq - window, 0)
         tokens, slot, pos, qidx = window_pack(
             send, start, anchors, drafts, rows.shape[0], self.pool.trash, first=window
@@ -281,11 +280,10 @@ class BlockSteps:
         states = self._states(
             tokens=tokens, slot=slot, pos=pos, qidx=qidx, past=start, q=q, span=span
         )
-        grid = torch.full((bt * nq + 1,), -1, dtype=torch.long, device=start.device)
-        pred = grid.scatter_(0, qidx, self.target.lm_head(states).argmax(-1))[: bt * nq]
-        head = summary[:, 4 * g : 5 * g + 1]
-        merged = torch.where(pred.view(bt, nq) >= 0, pred.view(bt, nq).float(), head)
-        return (torch.cat([summary[:, : 4 * g], merged, summary[:, 5 * g + 1 :]], dim=1),)
+        pred = grid_argmax(self.target.lm_head(states), qidx, bt, nq)
+        at = cols["argmax"]
+        merged = torch.where(pred >= 0, pred.float(), summary[:, at])
+        return (torch.cat([summary[:, : at.start], merged, summary[:, at.stop :]], dim=1),)
 
     def _plan(self, plan: np.ndarray) -> Tensor:
         """A :func:`block_plan` on the device, kept per value: a steady batch uploads

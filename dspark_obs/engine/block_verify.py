@@ -37,6 +37,8 @@ __all__ = [
     "accept_on_device",
     "block_plan",
     "block_summary",
+    "grid_argmax",
+    "summary_columns",
     "summary_width",
     "plan_windows",
     "survival_of",
@@ -179,6 +181,14 @@ def window_pack(
     return tokens, slot, pos, qidx
 
 
+def grid_argmax(logits: Tensor, qidx: Tensor, rows: int, q: int) -> Tensor:
+    """The target's argmax of a pack's rows laid out on its ``[rows, q]`` grid (pack row
+    ``n`` at cell ``qidx[n]``; padding rows at ``rows * q`` fall off), -1 where no row was
+    verified."""
+    grid = torch.full((rows * q + 1,), -1, dtype=torch.long, device=logits.device)
+    return grid.scatter_(0, qidx, logits.argmax(-1))[: rows * q].view(rows, q)
+
+
 def accept_on_device(
     drafts: Tensor, argmax: Tensor, window: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -194,9 +204,22 @@ def accept_on_device(
     return keep, argmax.gather(1, keep[:, None])[:, 0], full
 
 
+def summary_columns(gamma: int) -> dict[str, slice]:
+    """Where each of :class:`BlockHost`'s fields sits in a :func:`block_summary` (one layout
+    for the device code that writes or rewrites it and the host code that reads it)."""
+    widths = {
+        "drafts": gamma, "confidence": gamma, "logprobs": gamma, "survival": gamma,
+        "argmax": gamma + 1, "keep": 1, "window": 1, "full": 1, "token": 1,
+    }  # fmt: skip
+    out, at = {}, 0
+    for name, width in widths.items():
+        out[name], at = slice(at, at + width), at + width
+    return out
+
+
 def summary_width(gamma: int) -> int:
     """Columns of a :func:`block_summary`."""
-    return 5 * gamma + 5
+    return summary_columns(gamma)["token"].stop
 
 
 def block_summary(
@@ -271,17 +294,19 @@ class BlockVerified:
         else:
             host = self.summary.cpu().numpy()
         g = self.gamma
+        cols = summary_columns(g)
+
+        def ints(name: str) -> np.ndarray:
+            return host[:, cols[name]].astype(np.int64)
+
+        def floats(name: str) -> np.ndarray:
+            return np.ascontiguousarray(host[:, cols[name]])
+
         out = BlockHost(
-            drafts=host[:, :g].astype(np.int64),
-            confidence=np.ascontiguousarray(host[:, g : 2 * g]),
-            logprobs=np.ascontiguousarray(host[:, 2 * g : 3 * g]),
-            survival=np.ascontiguousarray(host[:, 3 * g : 4 * g]),
-            argmax=host[:, 4 * g : 5 * g + 1].astype(np.int64),
-            keep=host[:, 5 * g + 1].astype(np.int64),
-            window=host[:, 5 * g + 2].astype(np.int64),
-            full=host[:, 5 * g + 3].astype(np.int64),
-            token=host[:, 5 * g + 4].astype(np.int64),
-        )
+            drafts=ints("drafts"), confidence=floats("confidence"), logprobs=floats("logprobs"),
+            survival=floats("survival"), argmax=ints("argmax"), keep=ints("keep")[:, 0],
+            window=ints("window")[:, 0], full=ints("full")[:, 0], token=ints("token")[:, 0],
+        )  # fmt: skip
         if isinstance(self.logits, Tensor):
             sent = out.window if self.windows_only else np.full(len(out.window), g + 1)
             self.offsets = np.cumsum(sent) - sent

@@ -26,6 +26,7 @@ __all__ = [
     "accept_sampled_pack",
     "coin_flags",
     "final_draw",
+    "keep_greedy_rows",
     "leading_true",
     "process_rows",
     "sample_rows",
@@ -228,3 +229,12 @@ def accept_sampled_pack(
         grid[: bsz * rows].view(bsz, rows, -1), drafts, draft_probs, coins, verified, window
     )
     return torch.minimum(full, window - 1), full, token
+
+
+def keep_greedy_rows(
+    temperature: Tensor, greedy: tuple[Tensor, ...], sampled: tuple[Tensor, ...]
+) -> tuple[Tensor, ...]:
+    """Per row, the greedy rule's results where ``temperature`` is 0 (what the host sets for
+    a greedy row), else the rejection sampling's: one acceptance for a mixed batch."""
+    is_greedy = temperature <= 0
+    return tuple(torch.where(is_greedy, g, s) for g, s in zip(greedy, sampled, strict=True))

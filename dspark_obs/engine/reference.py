@@ -26,7 +26,7 @@ from dspark_obs.engine.block_verify import (
     plan_windows,
     survival_of,
 )
-from dspark_obs.engine.device_sampling import accept_sampled_pack
+from dspark_obs.engine.device_sampling import accept_sampled_pack, keep_greedy_rows
 from dspark_obs.engine.drafter import DraftBlock, Drafter
 from dspark_obs.engine.drafter_cache import DrafterCache
 from dspark_obs.engine.model import KVCache, Target
@@ -233,15 +233,11 @@ def _sampled(
     sent = torch.tensor([rows.shape[0] for rows in logits])
     cell = torch.cat([r * q + torch.arange(int(n)) for r, n in enumerate(sent.tolist())])
     temps = torch.from_numpy(sampling.temperature)
-    s_keep, s_full, s_token = accept_sampled_pack(
+    sampled = accept_sampled_pack(
         torch.cat([rows.detach().cpu() for rows in logits]), cell, temps,
         torch.from_numpy(sampling.top_p), torch.from_numpy(sampling.top_k), block.tokens.cpu(),
         block.probs.cpu(), torch.from_numpy(sampling.coins), sent, window,
         use_top_k=sampling.uses_top_k, use_top_p=sampling.uses_top_p,
     )  # fmt: skip
-    greedy = temps <= 0
-    return (
-        torch.where(greedy, keep, s_keep),
-        torch.where(greedy, full, s_full),
-        torch.where(greedy, token, s_token),
-    )
+    keep, full, token = keep_greedy_rows(temps, (keep, full, token), sampled)
+    return keep, full, token

@@ -170,7 +170,7 @@ def engine_runtime(
         table = cfg.cost_table
         trims = cfg.mode in ("compact", "cap-accept") and cfg.device_windows
         trims = trims and table is not None and not table.uninitialized
-        rest = cfg.mode == "cap-accept" and cfg.device_windows
+        rest = trims and cfg.mode == "cap-accept"  # drafts past windows only where they trim
         batched.capture(
             max_len, lambda line: print(line, file=sys.stderr), trims=trims, rest=rest
         )

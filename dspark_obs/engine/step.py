@@ -338,8 +338,10 @@ class StepPipeline:
         return out  # type: ignore[return-value]
 
     def _split_step(self, running: list[Live], fct: int, io: StepIO) -> list[Live]:
-        """A step that reads the drafts before it verifies: the plan needs the current
-        survival, or rows are sampled, penalized or masked. Returns the finished requests."""
+        """A step that reads the drafts before it verifies: rows are penalized or masked,
+        sampled where ``device_sampling`` is off, or the plan needs the current survival
+        (``device_windows`` off, or a trimmed cap-accept batch with a sampled row). Returns
+        the finished requests."""
         cfg, gamma = self.cfg, self.cfg.gamma
         t0 = time.perf_counter()
         events = self._events()
