@@ -262,7 +262,7 @@ def _estimator_rules(
         ("q_lp", _lengths(q_lp) != n_trim, "needs one value per trimmed token"),
     ]
     if q_lp.null_count < data.num_rows:
-        flat = _floats(pc.list_flatten(q_lp))
+        flat = _np(pc.list_flatten(q_lp), np.nan)  # a missing log-prob is not one (fails <=)
         parents = pc.list_parent_indices(q_lp.combine_chunks()).to_numpy()
         checks.append(("q_lp", _rows_where(~(flat <= _LOGPROB_SLACK), parents, data.num_rows),
                        "every value must be a finite log-probability (<= 0)"))

@@ -126,7 +126,7 @@ def _estimator_violations(row: dict[str, Any], g: int, w: int) -> list[str]:
         bad.append("trimmed length")
     if (q_lp is None) != (trimmed is None) or (q_lp and len(q_lp) != len(trimmed)):
         bad.append("q_lp length")
-    if any(x > 1e-6 for x in q_lp or []):
+    if any(x is not None and x > 1e-6 for x in q_lp or []):  # None: see violations
         bad.append("q_lp > 0")
     for item in row.get("pg") or []:
         if not (1 <= item["k"] <= g and 0 <= item["src_fct"] <= row["forward_ct"]):

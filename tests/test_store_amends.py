@@ -116,6 +116,7 @@ def test_an_amendment_breaking_the_estimator_rules_is_refused(tmp_path: Path) ->
     bad = [
         dict(row, trimmed_tokens=row["trimmed_tokens"] + [1], q_lp=row["q_lp"] + [-0.1]),
         dict(row, q_lp=[0.5] * len(row["q_lp"])),
+        dict(row, q_lp=[None] * len(row["q_lp"])),  # a missing log-prob is not one
         dict(row, trimmed_tokens=None, q_lp=None, pg=None),
         dict(row, verify_len=0),
     ]
@@ -123,7 +124,8 @@ def test_an_amendment_breaking_the_estimator_rules_is_refused(tmp_path: Path) ->
         ack = store.write(
             "req_step_amends", pa.Table.from_pylist(bad, schema=schema.REQ_STEP_AMENDS)
         )
-    assert ack.rows == 0 and len(ack.rejected) == 4
+    assert ack.rows == 0 and len(ack.rejected) == 5
+    assert ack.rejected[2].row == 2 and "log-probability" in ack.rejected[2].reason
     reasons = " | ".join(e.reason for e in ack.rejected)
     assert "gamma+1-verify_len" in reasons and "log-probability" in reasons
     assert "needs trimmed_tokens, q_lp or pg" in reasons and "verify_len must be" in reasons
