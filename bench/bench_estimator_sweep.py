@@ -79,10 +79,10 @@ def companion_engine_class() -> type:
     from dspark_obs.engine.loop import Engine
 
     class CompanionWithEstimatorFields(Engine):
-        def _censors(self, live: Any, res: Any, w: int, *rest: Any) -> bool:
+        def _censors(self, live: Any, correct_drafts: int, w: int, *rest: Any) -> bool:
             if self.cfg.mode != "cap-accept":
-                return super()._censors(live, res, w, *rest)
-            return res.correct_drafts == w - 1 and w - 1 < self.cfg.gamma
+                return super()._censors(live, correct_drafts, w, *rest)
+            return correct_drafts == w - 1 and w - 1 < self.cfg.gamma
 
     return CompanionWithEstimatorFields
 

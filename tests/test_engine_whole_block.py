@@ -56,7 +56,7 @@ def test_batch_acceptance_equals_per_request_acceptance() -> None:
                     pred[i, : rows[i]], drafts[i], vocab,
                     window=None if win is None else int(win[i]),
                 )  # fmt: skip
-                assert got[i] == want
+                assert got.row(i) == want
 
 
 def test_batch_acceptance_names_bad_input() -> None:

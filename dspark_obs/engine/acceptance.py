@@ -50,6 +50,7 @@ import torch
 
 __all__ = [
     "AcceptResult",
+    "BatchAccept",
     "accept",
     "draw_uniforms",
     "greedy_accept",
@@ -86,6 +87,74 @@ class AcceptResult:
     @property
     def acc_len(self) -> int:
         return len(self.tokens)
+
+
+@dataclass(frozen=True, eq=False)  # arrays: compare columns, not objects
+class BatchAccept:
+    """A batch's acceptance column-wise (row i: request i): what :class:`AcceptResult` holds
+    per request, as arrays, so that a step's commit and records read columns instead of one
+    object per request."""
+
+    correct: np.ndarray
+    """[bs] int64: leading drafts committed (after the window cap)."""
+    correct_full: np.ndarray
+    """[bs] int64: leading drafts accepted among all verified drafts, before the cap."""
+    window: np.ndarray
+    """[bs] int64: the window committed within (anchor included)."""
+    tokens: np.ndarray
+    """[bs, gamma + 1] int64: row i's first ``correct[i]`` entries are its accepted drafts
+    and entry ``correct[i]`` its bonus (or corrected) token; later entries mean nothing."""
+
+    @classmethod
+    def of_drafts(
+        cls,
+        drafts: np.ndarray,
+        correct: np.ndarray,
+        correct_full: np.ndarray,
+        bonus: np.ndarray,
+        window: np.ndarray,
+    ) -> BatchAccept:
+        """From the drafts [bs, gamma] and each row's counts and final token."""
+        d = np.asarray(drafts, dtype=np.int64)
+        bs = d.shape[0]
+        c = np.asarray(correct, dtype=np.int64)
+        tokens = np.concatenate([d, np.zeros((bs, 1), dtype=np.int64)], axis=1)
+        tokens[np.arange(bs), c] = np.asarray(bonus, dtype=np.int64)
+        return cls(c, np.asarray(correct_full, dtype=np.int64),
+                   np.asarray(window, dtype=np.int64), tokens)  # fmt: skip
+
+    @classmethod
+    def stack(cls, results: Sequence[AcceptResult], gamma: int) -> BatchAccept:
+        """Per-request results (a split step's) as one batch."""
+        bs = len(results)
+        tokens = np.zeros((bs, gamma + 1), dtype=np.int64)
+        for i, res in enumerate(results):
+            tokens[i, : len(res.tokens)] = res.tokens
+        return cls(
+            np.fromiter((r.correct_drafts for r in results), np.int64, bs),
+            np.fromiter((r.correct_full for r in results), np.int64, bs),
+            np.fromiter((r.verify_len for r in results), np.int64, bs),
+            tokens,
+        )
+
+    def __len__(self) -> int:
+        return len(self.correct)
+
+    @property
+    def bonus(self) -> np.ndarray:
+        return self.tokens[np.arange(len(self.correct)), self.correct]
+
+    @property
+    def cap_trim(self) -> np.ndarray:
+        """Accepted drafts the window cut off."""
+        return self.correct_full - self.correct
+
+    def row(self, i: int) -> AcceptResult:
+        """Request i's acceptance as one object."""
+        c = int(self.correct[i])
+        tokens = self.tokens[i, : c + 1].tolist()
+        cf = int(self.correct_full[i])
+        return AcceptResult(c, tokens, tokens[-1], cf, cf - c, int(self.window[i]))
 
 
 def _np64(x: ArrayLike) -> np.ndarray:
@@ -167,12 +236,11 @@ def greedy_accept_batch(
     vocab: int,
     *,
     windows: np.ndarray | None = None,
-) -> list[AcceptResult]:
+) -> BatchAccept:
     """:func:`greedy_accept_argmax` for a whole batch at once: request i verified ``rows[i]``
     rows (``pred[i, :rows[i]]``, of ``pred`` [B, gamma + 1]) against ``drafts[i]`` [B, gamma],
-    capped to ``windows[i]`` (cap-accept) when given. The matching is one array operation
-    over the batch (a step at batch 256 would otherwise spend milliseconds in per-request
-    calls); only the result objects are built per request."""
+    capped to ``windows[i]`` (cap-accept) when given. Array operations over the batch, no
+    per-request call or object (a step at batch 256 would otherwise spend milliseconds)."""
     pred = np.asarray(pred, dtype=np.int64)
     d = np.asarray(drafts, dtype=np.int64)
     n = np.asarray(rows, dtype=np.int64)
@@ -192,14 +260,7 @@ def greedy_accept_batch(
     match = (d == pred[:, :gamma]) & verified
     correct_full = np.cumprod(match, axis=1).sum(axis=1)
     correct = np.minimum(correct_full, win - 1)
-    bonus = pred[np.arange(bs), correct]
-    out = []
-    for row, c, cf, b, w in zip(
-        d.tolist(), correct.tolist(), correct_full.tolist(), bonus.tolist(), win.tolist(),
-        strict=True,
-    ):
-        out.append(AcceptResult(c, [*row[:c], b], b, cf, cf - c, w))
-    return out
+    return BatchAccept.of_drafts(d, correct, correct_full, pred[np.arange(bs), correct], win)
 
 
 def draw_uniforms(generator: torch.Generator | None, block_size: int) -> np.ndarray:

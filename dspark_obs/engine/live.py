@@ -8,16 +8,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark_obs.engine.acceptance import SAMPLING_EPS, AcceptResult
+from dspark_obs.engine.acceptance import SAMPLING_EPS
 from dspark_obs.engine.censored import Censored
 from dspark_obs.engine.penalties import OutputCounts
 from dspark_obs.engine.types import MASKED_LOGIT, GenRequest
 
-__all__ = ["Live", "Outcome", "mask_stops", "sglang_adjusts_logits"]
-
-Outcome = tuple[AcceptResult, list[int], list[int], str | None]
-"""One request's step: acceptance, the tokens uncut by stops / length, the tokens committed,
-and the finish reason (None: still running)."""
+__all__ = ["Live", "mask_stops", "sglang_adjusts_logits"]
 
 
 @dataclass(eq=False)  # a running request is an identity: removing one compares no fields

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from dspark_obs.engine.acceptance import SAMPLING_EPS, AcceptResult, process_logits
+from dspark_obs.engine.acceptance import SAMPLING_EPS, process_logits
 from dspark_obs.engine.drafter import Drafter
 from dspark_obs.engine.live import Live, mask_stops
 from dspark_obs.engine.model import Target
@@ -460,11 +460,11 @@ class Engine:
                     other.slot = live.slot
             running.sort(key=lambda r: r.slot)
 
-    def _censors(self, live: Live, res: AcceptResult, w: int, adjusted: bool) -> bool:
+    def _censors(self, live: Live, correct_drafts: int, w: int, adjusted: bool) -> bool:
         """The censored-block rule the run's steps apply (:func:`~dspark_obs.engine.step.
         opens_censored`); a subclass may widen it (``bench/bench_estimator_sweep.py`` gives a
         cap-accept companion compact's estimator fields)."""
-        return opens_censored(self.cfg, live, res, w, adjusted)
+        return opens_censored(self.cfg, live, correct_drafts, w, adjusted)
 
     @staticmethod
     def _sample(logits: torch.Tensor, req: GenRequest, gen: torch.Generator, top: int) -> int:

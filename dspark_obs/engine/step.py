@@ -47,6 +47,7 @@ import torch
 from dspark_obs.analytics.estimator_recorder import sglang_skips_estimator
 from dspark_obs.engine.acceptance import (
     AcceptResult,
+    BatchAccept,
     accept,
     draw_uniforms,
     greedy_accept_argmax,
@@ -58,8 +59,9 @@ from dspark_obs.engine.block_verify import BlockHost, BlockVerified, RowSampling
 from dspark_obs.engine.censored import ESTIMATOR_MIN_TEMPERATURE
 from dspark_obs.engine.drafter import DraftBlock
 from dspark_obs.engine.host_copy import rows_event
-from dspark_obs.engine.live import Live, Outcome, mask_stops, sglang_adjusts_logits
+from dspark_obs.engine.live import Live, mask_stops, sglang_adjusts_logits
 from dspark_obs.engine.model import Target
+from dspark_obs.engine.outcome import StepOutcome, cut_at_stops
 from dspark_obs.engine.runtime import Runtime
 from dspark_obs.engine.scheduler import BudgetDecision, Scheduler
 from dspark_obs.engine.step_records import StepArrays
@@ -87,14 +89,14 @@ class StepIO:
 
 
 def opens_censored(
-    cfg: EngineConfig, live: Live, res: AcceptResult, w: int, adjusted: bool
+    cfg: EngineConfig, live: Live, correct_drafts: int, w: int, adjusted: bool
 ) -> bool:
     """Whether this step's trimmed drafts await resolution: a compact window fully
     accepted with drafts cut off. SGLang's recorder skips greedy / truncated rows, and
     whole steps whose batch ``adjusted`` its logits (penalties, min_new_tokens): their
     pending blocks are dropped too."""
     req = live.req
-    censors = cfg.mode == "compact" and res.correct_drafts == w - 1 and w - 1 < cfg.gamma
+    censors = cfg.mode == "compact" and correct_drafts == w - 1 and w - 1 < cfg.gamma
     if cfg.estimator_rows == "sglang" and (
         adjusted or sglang_skips_estimator(req.temperature, req.top_k, req.top_p)
     ):
@@ -278,15 +280,12 @@ class StepPipeline:
             lengths_before = [launched.lengths_before[i] for i in index]
         # a cap-accept step's rows past its windows were verified for their argmax only
         logits = launched.verified.rows(verify_lens if launched.verified.rest else send, index)
-        done, outcomes = self._accept_and_commit(
-            lives, launched.block, host.drafts, verify_lens, send, logits, [], lengths_before,
-            io.result, accepted, on_device=True,
-        )  # fmt: skip
+        done, outcome = self._commit(lives, accepted, lengths_before, io.result, on_device=True)
         step_ms = launched.host_ms + (time.perf_counter() - t0) * 1000.0
         self._hand_over(
             lives, launched.fct, budget, decision, verify_lens, send, lengths_before,
             host.drafts, host.confidence, host.survival, torch.from_numpy(host.logprobs),
-            logits, outcomes, step_ms, launched.events, launched.draft_s, launched.verify_s, io,
+            logits, outcome, step_ms, launched.events, launched.draft_s, launched.verify_s, io,
             launched.verified.logits_ready,
         )  # fmt: skip
         return done
@@ -313,29 +312,24 @@ class StepPipeline:
 
     def _accepted(
         self, lives: list[Live], host: BlockHost, send: np.ndarray, verify_lens: np.ndarray
-    ) -> list[AcceptResult]:
-        """Each row's acceptance from a whole-block step's read-back: greedy rows by the
+    ) -> BatchAccept:
+        """The batch's acceptance from a whole-block step's read-back: greedy rows by the
         host's own rule from the target's argmax, checked against the device's; sampled rows
         as the device's rejection sampling decided them (its coins were the request's)."""
-        window = verify_lens if self.cfg.mode == "cap-accept" else None
         greedy = np.fromiter((live.greedy for live in lives), bool, len(lives))
-        out: list[AcceptResult | None] = [None] * len(lives)
+        correct = host.keep.astype(np.int64)
+        correct_full, bonus = host.full.astype(np.int64), host.token.astype(np.int64)
         rows = np.flatnonzero(greedy)
         if len(rows):
-            vocab = self.target.cfg.vocab_size
+            window = verify_lens[rows] if self.cfg.mode == "cap-accept" else None
             decided = greedy_accept_batch(
-                host.argmax[rows], host.drafts[rows], send[rows], vocab,
-                windows=None if window is None else window[rows],
+                host.argmax[rows], host.drafts[rows], send[rows], self.target.cfg.vocab_size,
+                windows=window,
             )  # fmt: skip
-            if [a.correct_drafts for a in decided] != host.keep[rows].tolist():
+            if not np.array_equal(decided.correct, correct[rows]):
                 raise RuntimeError("the device's acceptance differs from the host's greedy rule")
-            for i, res in zip(rows.tolist(), decided, strict=True):
-                out[i] = res
-        for i in np.flatnonzero(~greedy).tolist():
-            c, full, tok = int(host.keep[i]), int(host.full[i]), int(host.token[i])
-            drafts = host.drafts[i, :c].tolist()
-            out[i] = AcceptResult(c, [*drafts, tok], tok, full, full - c, int(verify_lens[i]))
-        return out  # type: ignore[return-value]
+            correct_full[rows], bonus[rows] = decided.correct_full, decided.bonus
+        return BatchAccept.of_drafts(host.drafts, correct, correct_full, bonus, verify_lens)
 
     def _split_step(self, running: list[Live], fct: int, io: StepIO) -> list[Live]:
         """A step that reads the drafts before it verifies: rows are penalized or masked,
@@ -383,21 +377,12 @@ class StepPipeline:
             if k or live.counts is not None:
                 preds[i] = all_logits[i].argmax(-1).cpu().numpy()
         rows_ready = rows_event(self.target.device)  # every row rewritten: the records read them
-        done, outcomes = self._accept_and_commit(
-            running,
-            block,
-            dt_np,
-            verify_lens,
-            send,
-            all_logits,
-            preds,
-            lengths_before,
-            io.result,
-        )
+        accepted = self._accept_rows(running, block, dt_np, verify_lens, send, all_logits, preds)
+        done, outcome = self._commit(running, accepted, lengths_before, io.result)
         step_ms = (time.perf_counter() - t0) * 1000.0
         self._hand_over(
             running, fct, budget, decision, verify_lens, send, lengths_before, dt_np, conf,
-            survival, draft_lp, all_logits, outcomes, step_ms, events, t_draft - t0,
+            survival, draft_lp, all_logits, outcome, step_ms, events, t_draft - t0,
             t_verify - t_draft, io, rows_ready,
         )  # fmt: skip
         return done
@@ -416,7 +401,7 @@ class StepPipeline:
         survival: np.ndarray,
         draft_lp: torch.Tensor,
         logits: Sequence[torch.Tensor],
-        outcomes: list[Outcome],
+        outcome: StepOutcome,
         step_ms: float,
         events: list[Any],
         draft_s: float,
@@ -447,7 +432,7 @@ class StepPipeline:
             stats.draft_gpu_ms = draft_s * 1000.0
             stats.target_verify_gpu_ms = verify_s * 1000.0
         done_step = StepResult(  # a copy of running: the caller removes finished requests
-            stats=stats, running=list(running), outcomes=outcomes, verify_lens=verify_lens,
+            stats=stats, running=list(running), outcome=outcome, verify_lens=verify_lens,
             lengths_before=lengths_before, drafts=drafts, confidence=conf, survival=survival,
             draft_logprobs=draft_lp, logits=logits, adjusted=sglang_adjusts_logits(running),
             rows_ready=rows_ready,
@@ -458,13 +443,13 @@ class StepPipeline:
                 stats.draft_gpu_ms = events[0].elapsed_time(events[1])
                 stats.target_verify_gpu_ms = events[2].elapsed_time(events[3])
             io.add(done_step.arrays(cfg, self.censors, self._estimator_logprobs))
-            for live, (_, _, _, reason) in zip(done_step.running, outcomes, strict=True):
+            for live, reason in zip(done_step.running, outcome.reasons, strict=True):
                 if reason is not None:
                     io.finish(live, reason)
 
         io.pending.append(records)
 
-    def _accept_and_commit(
+    def _accept_rows(
         self,
         running: list[Live],
         block: DraftBlock,
@@ -473,65 +458,58 @@ class StepPipeline:
         send: np.ndarray,
         all_logits: Sequence[torch.Tensor],
         preds: list[np.ndarray],
-        lengths_before: list[int],
-        result: RunResult,
-        accepted: list[AcceptResult] | None = None,
-        *,
-        on_device: bool = False,
-    ) -> tuple[list[Live], list[Outcome]]:
-        """Acceptance per request (``accepted``: already decided for the whole batch), the
-        stop / length cut, the commit into the caches; returns the finished requests and
-        every request's outcome."""
+    ) -> BatchAccept:
+        """A split step's acceptance, request by request (greedy from the rows' argmax,
+        sampled by rejection sampling with the request's generator)."""
         cfg, gamma = self.cfg, self.cfg.gamma
-        done: list[Live] = []
-        outcomes: list[Outcome] = []
         vocab = self.target.cfg.vocab_size
+        results: list[AcceptResult] = []
         for i, live in enumerate(running):
             req = live.req
             w, n = int(verify_lens[i]), int(send[i])
             drafts = dt_np[i, : n - 1]
             window = w if cfg.mode == "cap-accept" else None
-            if accepted is not None:
-                res = accepted[i]
-            elif live.greedy:
-                res = greedy_accept_argmax(preds[i], drafts, vocab, window=window)
-            else:
-                probs = process_logits(
-                    all_logits[i].double(), req.temperature, req.top_p, req.top_k
-                )
-                res = accept(
-                    probs,
-                    drafts,
-                    block.probs[i, : n - 1].double(),
-                    live.gen,
-                    window=window,
-                    block_size=gamma,
-                )
-            full = list(res.tokens)  # uncut by EOS / length: what the estimator resolves against
-            remaining = req.max_new_tokens - len(live.output)
-            cut, reason = len(full), None
-            for j, tok in enumerate(full):
-                if live.stops_at(tok):
-                    cut, reason = j + 1, "stop"
-                    break
-            if cut > remaining or (reason is None and cut == remaining):
-                cut, reason = remaining, "length"
-            committed = full[:cut]
+            if live.greedy:
+                results.append(greedy_accept_argmax(preds[i], drafts, vocab, window=window))
+                continue
+            probs = process_logits(all_logits[i].double(), req.temperature, req.top_p, req.top_k)
+            results.append(
+                accept(probs, drafts, block.probs[i, : n - 1].double(), live.gen,
+                       window=window, block_size=gamma)  # fmt: skip
+            )
+        return BatchAccept.stack(results, gamma)
+
+    def _commit(
+        self,
+        running: list[Live],
+        accepted: BatchAccept,
+        lengths_before: list[int],
+        result: RunResult,
+        *,
+        on_device: bool = False,
+    ) -> tuple[list[Live], StepOutcome]:
+        """The stop / length cut, the outputs, and the commit into the caches (``on_device``:
+        the device committed already, the host books it); returns the finished requests and
+        the step's outcome."""
+        outcome = cut_at_stops(accepted, running)
+        tokens, cut = accepted.tokens.tolist(), outcome.committed.tolist()
+        keep = (accepted.correct + 1 + np.asarray(lengths_before, dtype=np.int64)).tolist()
+        done: list[Live] = []
+        for i, live in enumerate(running):
+            committed = tokens[i][: cut[i]]
             live.output.extend(committed)
             if live.counts is not None:
                 live.counts.add(committed)
-            result.committed_tokens += len(committed)
             if self.on_tokens is not None:
-                self.on_tokens(req.rid, committed)
-            outcomes.append((res, full, committed, reason))
-            if reason is not None:
+                self.on_tokens(live.req.rid, committed)
+            if outcome.reasons[i] is not None:
                 done.append(live)
                 continue
             # Keep anchor + accepted drafts in the caches; the bonus becomes the next anchor.
-            keep = res.correct_drafts + 1
             live.anchor = committed[-1]
-            self.rt.commit(live.slot, lengths_before[i] + keep, live.anchor, on_device=on_device)
-        return done, outcomes
+            self.rt.commit(live.slot, keep[i], live.anchor, on_device=on_device)
+        result.committed_tokens += int(outcome.committed.sum())
+        return done, outcome
 
     def _records_may_read(self, running: list[Live]) -> bool:
         """Whether the records of the launched step not read yet may read its target rows: a

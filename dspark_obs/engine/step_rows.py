@@ -27,18 +27,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspark_obs.engine.acceptance import AcceptResult
 from dspark_obs.engine.block_verify import LogitRows
 from dspark_obs.engine.censored import Censored, LogpAt, greedy_logprobs_at, resolve, resolve_block
 from dspark_obs.engine.host_copy import read_after, upload
-from dspark_obs.engine.live import Live, Outcome
+from dspark_obs.engine.live import Live
+from dspark_obs.engine.outcome import StepOutcome
 from dspark_obs.engine.step_records import PgEntries, StepArrays
 from dspark_obs.engine.types import EngineConfig, GenRequest
 
 __all__ = ["Censors", "Logprobs", "StepResult", "StepStats", "request_row", "waiting_row"]
 
-Censors = Callable[[Live, AcceptResult, int, bool], bool]
-"""``(live, accept result, verify_len, batch adjusted)`` -> whether this step's trimmed drafts
+Censors = Callable[[Live, int, int, bool], bool]
+"""``(live, correct drafts, verify_len, batch adjusted)`` -> whether this step's trimmed drafts
 await resolution (``step.opens_censored``)."""
 
 Logprobs = Callable[[torch.Tensor, Live], torch.Tensor]
@@ -68,7 +68,7 @@ class StepResult:
 
     stats: StepStats
     running: list[Live]
-    outcomes: list[Outcome]
+    outcome: StepOutcome
     verify_lens: np.ndarray
     lengths_before: list[int]  # committed positions before the step (anchor included)
     drafts: np.ndarray  # [bs, gamma]
@@ -87,10 +87,12 @@ class StepResult:
 
         Only the requests with censored blocks (open, or opened now) are visited one by one,
         for their estimator entries; every other field is an array of the whole batch."""
-        running, outcomes, bs = self.running, self.outcomes, len(self.running)
+        running, outcome, bs = self.running, self.outcome, len(self.running)
+        accepted = outcome.accepted
         verify_len = np.array(self.verify_lens, dtype=np.int64)  # a copy
-        opens = [censors(live, outcomes[i][0], int(verify_len[i]), self.adjusted)
-                 for i, live in enumerate(running)]  # fmt: skip
+        opens = [censors(live, c, w, self.adjusted)
+                 for live, c, w in zip(running, accepted.correct.tolist(), verify_len.tolist(),
+                                       strict=True)]  # fmt: skip
         lookups = self._gather_logprobs(opens, logprobs)
         fct, prefix = self.stats.forward_ct, self.lengths_before
         pg_rows: list[int] = []
@@ -98,7 +100,7 @@ class StepResult:
         for i, live in enumerate(running):
             if not (live.censored or opens[i]):
                 continue
-            full = outcomes[i][1]
+            full = outcome.full(i)
             entries, live.censored = resolve(live.censored, lookups[i], full, prefix[i])
             if opens[i]:
                 w = int(verify_len[i])
@@ -117,12 +119,11 @@ class StepResult:
             req_pool_index=np.fromiter((live.slot for live in running), np.int64, bs),
             prefix_len=np.asarray(prefix, dtype=np.int64) + 1,  # tokens known, anchor included
             verify_len=verify_len,
-            acc_len=np.fromiter((len(o[2]) for o in outcomes), np.int64, bs),
-            correct_drafts=np.fromiter((o[0].correct_drafts for o in outcomes), np.int64, bs),
-            cap_trim=np.fromiter((o[0].cap_trim for o in outcomes), np.int64, bs)
-            if cfg.mode == "cap-accept" else np.zeros(bs, dtype=np.int64),
-            bonus_token=np.fromiter((o[0].bonus_token for o in outcomes), np.int64, bs),
-            is_last=np.fromiter((o[3] is not None for o in outcomes), bool, bs),
+            acc_len=outcome.committed.copy(),
+            correct_drafts=accepted.correct.copy(),
+            cap_trim=accepted.cap_trim if cfg.mode == "cap-accept" else np.zeros(bs, np.int64),
+            bonus_token=accepted.bonus,
+            is_last=outcome.finished,
             draft_tokens=np.array(self.drafts, copy=True),
             confidence=np.array(self.confidence, dtype=np.float32, copy=True),
             survival=np.array(self.survival, dtype=np.float32, copy=True),
