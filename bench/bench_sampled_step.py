@@ -32,6 +32,7 @@ from dspark_obs.engine.session import load_cost_table, load_models, traffic_to_r
 from dspark_obs.engine.types import EngineConfig, GenRequest
 from dspark_obs.fanout import FanOut, MemorySink
 from dspark_obs.testing.throughput_bench import build_queue, queue_size
+from dspark_obs.workloads import load_traffic
 
 PATHS = {"device": True, "split": False}  # name -> EngineConfig.device_sampling
 
@@ -70,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-p", type=float, default=0.9)
     ap.add_argument("--top-k", type=int, default=-1)
     ap.add_argument("--cost-table", default=None, help="default: the shipped table")
+    ap.add_argument("--queue-file", type=Path, default=None,
+                    help="prompts from a saved queue (bench_throughput.py --save-queue) "
+                    "instead of the prompt sources, for machines without them")  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path("out/bench_sampled_step.json"))
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batch.split(",")]
@@ -80,10 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for bs in batches:
         n = queue_size(args.prompts, bs, 1.0)
-        reqs = traffic_to_requests(build_queue(n, new_tokens=args.new_tokens, seed=0),
-                                   models.tokenizer)  # fmt: skip
+        traffic = (load_traffic(args.queue_file)[:n] if args.queue_file
+                   else build_queue(n, new_tokens=args.new_tokens, seed=0))  # fmt: skip
+        reqs = traffic_to_requests(traffic, models.tokenizer)
         for i, r in enumerate(reqs):
-            r.arrival_step, r.seed = 0, 1000 + i
+            r.arrival_step, r.seed, r.max_new_tokens = 0, 1000 + i, args.new_tokens
             r.temperature, r.top_p, r.top_k = args.temperature, args.top_p, args.top_k
         log(f"== batch {bs}: {len(reqs)} requests x {args.new_tokens} tokens, "
             f"T={args.temperature} top_p={args.top_p} top_k={args.top_k}")
