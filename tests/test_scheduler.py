@@ -237,6 +237,50 @@ def test_relay_other_lags(lag: int) -> None:
         assert np.array_equal(lagged, want)
 
 
+class _DequeRelay:
+    """The relay's rule written per request (the oracle): a request's rows of the calls it
+    has been in without a break, the last lag + 1 of them."""
+
+    def __init__(self, lag: int) -> None:
+        self.lag, self.hist = lag, {}
+
+    def peek(self, rids, gamma, pending):
+        back = self.lag - pending
+        out = np.ones((len(rids), gamma))
+        for i, rid in enumerate(rids):
+            h = self.hist.get(rid, [])
+            if len(h) >= back:
+                out[i] = h[-back]
+        return out
+
+    def step(self, rids, rows):
+        self.hist = {r: ([*self.hist.get(r, []), rows[i].copy()])[-(self.lag + 1):]
+                     for i, r in enumerate(rids)}  # fmt: skip
+        return np.array([h[0] if len(h) == self.lag + 1 else np.ones(rows.shape[1])
+                         for h in self.hist.values()]).reshape(rows.shape)  # fmt: skip
+
+
+@pytest.mark.parametrize("lag", [0, 1, 2, 3])
+def test_relay_random_joins_and_leaves_match_the_per_request_rule(lag: int) -> None:
+    rng = np.random.default_rng(lag)
+    relay, oracle, gamma = ConfidenceRelay(lag), _DequeRelay(lag), 4
+    for _ in range(300):
+        pool = [f"r{i}" for i in range(12)]
+        rids = list(rng.permutation(pool)[: int(rng.integers(0, 10))])
+        for pending in range(lag + 1):
+            got = relay.peek(rids, gamma, pending)
+            if lag <= pending:
+                assert got is None
+            else:
+                assert np.array_equal(got, oracle.peek(rids, gamma, pending))
+        rows = rng.random((len(rids), gamma))
+        want = oracle.step(rids, rows)
+        got = relay.step(rids, rows)
+        rows[:] = -1.0  # the caller reusing its array changes no history
+        assert np.array_equal(got, want)
+        assert len(relay) == len(rids)
+
+
 def test_relay_errors_and_reset() -> None:
     relay = ConfidenceRelay()
     with pytest.raises(ValueError, match="duplicate"):

@@ -156,7 +156,12 @@ class ConfidenceRelay:
         if lag < 0:
             raise ValueError(f"lag must be >= 0, got {lag}")
         self._lag = int(lag)
-        self._hist: dict[Hashable, deque[np.ndarray]] = {}
+        # One snapshot per call (the call's row of each request, and its survival array), the
+        # last lag + 1 calls; and for each request of the last call, how many calls in a row
+        # it has been in. A request's row from k calls back exists iff that run is > k: the
+        # whole history is two dict builds and one gather per call, not a deque per request.
+        self._snaps: deque[tuple[dict[Hashable, int], np.ndarray]] = deque(maxlen=self._lag + 1)
+        self._run: dict[Hashable, int] = {}
         self._gamma: int | None = None
 
     @property
@@ -164,12 +169,27 @@ class ConfidenceRelay:
         return self._lag
 
     def __len__(self) -> int:
-        return len(self._hist)
+        return len(self._run)
 
     def reset(self) -> None:
         """Forget everything (e.g. between runs)."""
-        self._hist.clear()
+        self._snaps.clear()
+        self._run = {}
         self._gamma = None
+
+    def _lagged(self, rids: Sequence[Hashable], back: int, gamma: int) -> np.ndarray:
+        """``[bs, gamma]``: each request's row of the snapshot ``back`` calls from the newest
+        (1: the newest), where the request has been in every call since; ones elsewhere."""
+        out = np.ones((len(rids), gamma), dtype=np.float64)
+        if back > len(self._snaps) or not len(rids):
+            return out
+        index, rows = self._snaps[-back]
+        run = self._run
+        have = np.flatnonzero(np.fromiter((run.get(r, 0) >= back for r in rids), bool, len(rids)))
+        if len(have):
+            src = np.fromiter((index[rids[i]] for i in have.tolist()), np.int64, len(have))
+            out[have] = rows[src]
+        return out
 
     def peek(self, rids: Sequence[Hashable], gamma: int, pending: int = 0) -> np.ndarray | None:
         """What :meth:`step` will return for this batch, before its current survival is known,
@@ -177,13 +197,7 @@ class ConfidenceRelay:
         needs a survival nobody has: ``lag`` <= ``pending``)."""
         if self._lag <= pending:
             return None
-        back = self._lag - pending
-        out = np.ones((len(rids), gamma), dtype=np.float64)
-        for i, rid in enumerate(rids):
-            h = self._hist.get(rid)
-            if h is not None and len(h) >= back:
-                out[i] = h[len(h) - back]
-        return out
+        return self._lagged(rids, self._lag - pending, gamma)
 
     def step(self, rids: Sequence[Hashable], survival_now: np.ndarray) -> np.ndarray:
         """Record this step's survival and return the lagged ``[bs, gamma]`` survival (float64)."""
@@ -191,25 +205,17 @@ class ConfidenceRelay:
         bs, gamma = arr.shape
         if len(rids) != bs:
             raise ValueError(f"{len(rids)} request ids for {bs} survival rows")
-        if len(set(rids)) != bs:
+        index = dict(zip(rids, range(bs), strict=True))
+        if len(index) != bs:
             raise ValueError("duplicate request ids in one step")
         if self._gamma is not None and gamma != self._gamma and bs:
             raise ValueError(f"survival width changed from {self._gamma} to {gamma}")
         if bs:
             self._gamma = gamma
-        out = np.ones((bs, gamma), dtype=np.float64)
-        rows = arr.astype(np.float64)
-        hist: dict[Hashable, deque[np.ndarray]] = {}
-        for i, rid in enumerate(rids):
-            h = self._hist.get(rid)
-            if h is None:
-                h = deque(maxlen=self._lag + 1)
-            h.append(rows[i].copy())
-            if len(h) == self._lag + 1:
-                out[i] = h[0]
-            hist[rid] = h
-        self._hist = hist
-        return out
+        run = self._run
+        self._run = {rid: run.get(rid, 0) + 1 for rid in rids}
+        self._snaps.append((index, np.array(arr, dtype=np.float64)))  # a copy: no aliasing
+        return self._lagged(rids, self._lag + 1, gamma)
 
 
 class Scheduler:
