@@ -70,6 +70,7 @@ from typing import Any
 
 import torch
 
+from dspark_obs.engine.draft_vocab import resolve_draft_vocab
 from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.no_spec import run_no_spec
 from dspark_obs.engine.session import (
@@ -258,9 +259,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="fuse each layer's dense pieces with torch.compile (default: on for "
                          "cuda, off for cpu)")
     ap.add_argument("--drafter", default=None, help="drafter checkpoint (runtime/drafter)")
-    ap.add_argument("--draft-vocab", type=int, default=0,
+    ap.add_argument("--draft-vocab", type=int, default=None,
                     help="DSpark variants draft from the top-N training tokens only "
-                         "(runtime/drafter/draft_vocab.json; 0: the whole vocabulary)")
+                         "(runtime/drafter/draft_vocab.json; 0: the whole vocabulary; "
+                         "default: the device's, 16384 on cpu and 0 on cuda)")
     ap.add_argument("--gguf", default=None, help="SmolLM2 GGUF or wheel (sets DSPARK_OBS_GGUF)")
     ap.add_argument("--seed", type=int, default=0, help="prompt selection seed")
     ap.add_argument("--queue-file", default=None, help="replay this workload file (JSONL)")
@@ -311,6 +313,11 @@ def device_name(device: torch.device) -> str:
     return f"{name} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
 
 
+def _vocab_note(meta: dict) -> str:
+    n = meta.get("draft_vocab")
+    return f" (drafting from the top {n:,} ids)" if n else ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -346,11 +353,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = datetime.now(UTC)
     t_all = time.perf_counter()
     log(f"loading SmolLM2 + drafter on {device} ({dtype})")
-    models = load_models(args.drafter, device=args.device, dtype=dtype)
-    if args.draft_vocab:
-        from dspark_obs.engine.draft_vocab import shipped_draft_vocab
-
-        models.drafter.set_draft_vocab(shipped_draft_vocab(args.draft_vocab, models.stop_ids))
+    args.draft_vocab = resolve_draft_vocab(args.draft_vocab, args.device)
+    models = load_models(args.drafter, device=args.device, dtype=dtype,
+                         draft_vocab=args.draft_vocab)  # fmt: skip
+    if models.draft_vocab:
         log(f"drafting from {int(models.drafter.draft_vocab.numel())} token ids")
     table = load_cost_table(args.cost_table, args.device, args.backend)
     table_name = args.cost_table or (
@@ -439,6 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "torch_threads": torch.get_num_threads(),
         "model": models.model_name,
         "drafter": models.drafter_name,
+        "draft_vocab": models.draft_vocab or None,
         "gamma": GAMMA,
         "new_tokens": args.new_tokens,
         "reps": args.reps,
@@ -478,8 +485,9 @@ def report(args: argparse.Namespace, meta: dict[str, Any],
             f"match vs nospec {c['match_rate']:.4f} (min {c['match_rate_min']:.4f}), "
             f"exact {c['exact_share']:.2f}")
     header = (f"{meta['model']} {meta['dtype']} on {meta['device_name']}, drafter "
-              f"{meta['drafter']}, greedy, gamma {meta['gamma']}, {meta['new_tokens']} new "
-              f"tokens, queues (batch: requests) {meta['queue_sizes']}, {meta['reps']} reps, "
+              f"{meta['drafter']}{_vocab_note(meta)}, greedy, gamma {meta['gamma']}, "
+              f"{meta['new_tokens']} new tokens, queues (batch: requests) {meta['queue_sizes']}, "
+              f"{meta['reps']} reps, "
               f"no-spec = {meta['nospec_impl']}, compact cost table {meta['cost_table']}")
     keep = {"all": lambda m: True, "first": lambda m: m.rep == 0,
             "none": lambda m: False}[args.outputs]
@@ -525,7 +533,8 @@ def merge(args: argparse.Namespace, argv: Sequence[str]) -> int:
             m.rep += offset[m.batch]
             measurements.append(m)
     first = metas[0]
-    for key in ("device", "dtype", "model", "drafter", "gamma", "new_tokens", "nospec_impl"):
+    for key in ("device", "dtype", "model", "drafter", "draft_vocab", "gamma", "new_tokens",
+                "nospec_impl"):
         if any(m.get(key) != first.get(key) for m in metas):
             log(f"note: the merged files differ in {key}: {[m.get(key) for m in metas]}")
     meta = {k: v for k, v in first.items()

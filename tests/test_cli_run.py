@@ -55,6 +55,8 @@ def test_run_with_companion_then_report_and_query(smollm2: Path, tmp_path: Path)
         .to_pylist()
     )
     assert len(counts) == 2 and counts[0]["committed"] == counts[1]["committed"] > 0
+    configs = Store(store).query("SELECT config FROM runs").column("config").to_pylist()
+    assert [json.loads(c)["draft_vocab"] for c in configs] == [16384, 16384]  # the CPU default
 
     res = runner.invoke(
         app, ["report", "e2e", "--store", str(store), "--out", str(out), "--boot", "10"]

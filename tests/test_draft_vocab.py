@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark_obs.engine.draft_vocab import draft_vocab, load_ranking, rank_tokens, save_ranking
+from dspark_obs.engine.draft_vocab import (
+    CPU_DRAFT_VOCAB,
+    default_draft_vocab,
+    draft_vocab,
+    load_ranking,
+    rank_tokens,
+    resolve_draft_vocab,
+    save_ranking,
+)
 from dspark_obs.engine.drafter import Drafter
 from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.model import Target
@@ -120,3 +128,12 @@ def test_ranking_by_frequency_and_vocabulary_of_size_n(tmp_path: Path) -> None:
     _, drafter = _models(0)
     with pytest.raises(ValueError, match="0..5"):
         drafter.set_draft_vocab([0, VOCAB])
+
+
+def test_the_cpu_drafts_from_a_reduced_vocabulary_by_default_and_a_gpu_from_the_whole() -> None:
+    assert default_draft_vocab("cpu") == CPU_DRAFT_VOCAB == 16384
+    assert default_draft_vocab("cuda") == default_draft_vocab("cuda:1") == 0
+    assert resolve_draft_vocab(None, "cpu") == 16384 and resolve_draft_vocab(None, "cuda") == 0
+    assert resolve_draft_vocab(0, "cpu") == 0  # asked for: the whole vocabulary
+    with pytest.raises(ValueError, match="--draft-vocab must be >= 0"):
+        resolve_draft_vocab(-1, "cpu")

@@ -18,6 +18,16 @@ CompileOpt = Annotated[
     ),
 ]
 
+DraftVocabOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="Draft from the top-N training tokens only (runtime/drafter/draft_vocab.json; "
+        "lossless, only acceptance can drop; 0: the whole vocabulary; default: 16384 on cpu, "
+        "where the drafter's head costs about a target step, and 0 on cuda).",
+        show_default=False,
+    ),
+]
+
 WORKLOAD_CHOICES = ("math", "chat", "poetry", "mixed")
 
 
@@ -86,12 +96,14 @@ def run_command(
         ),
     ] = "auto",
     compile: CompileOpt = None,
+    draft_vocab: DraftVocabOpt = None,
 ) -> None:
     """Run DSpark on SmolLM2-135M with the shipped drafter and store every step's records."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from dspark_obs.cost_table import CostTableError
+    from dspark_obs.engine.draft_vocab import resolve_draft_vocab
     from dspark_obs.engine.session import (
         load_cost_table,
         load_models,
@@ -116,6 +128,7 @@ def run_command(
             raise ValueError(f"--requests must be >= 1, got {requests}: nothing to run")
         rid = run_id or new_run_id(mode)
         check_run_ids(rid, companion, store)
+        draft_vocab = resolve_draft_vocab(draft_vocab, device)
         config = EngineConfig(
             mode=mode,
             gamma=gamma,
@@ -145,7 +158,7 @@ def run_command(
         # every file is read and checked before the model loads and before the first record
         temps = None if sts is None else StsCalibration.load(sts, gamma=gamma).temperatures
         with console.status("loading SmolLM2-135M and the drafter"):
-            models = load_models(drafter, device=device, sts=temps)
+            models = load_models(drafter, device=device, sts=temps, draft_vocab=draft_vocab)
         reqs = traffic_to_requests(traffic, models.tokenizer)
         sink = Store(store)
         from dspark_obs.sinks.backpressure import expose_backpressure
@@ -273,13 +286,7 @@ def profile_command(
         Path | None,
         typer.Option(help="Prompts from this workload file (JSONL) instead of the chat pool."),
     ] = None,
-    draft_vocab: Annotated[
-        int,
-        typer.Option(
-            help="Time the drafter drafting from the top-N training tokens only (what "
-            "bench_throughput.py --draft-vocab runs; 0: the whole vocabulary)."
-        ),
-    ] = 0,
+    draft_vocab: DraftVocabOpt = None,
     backend: Annotated[
         str,
         typer.Option(
@@ -327,8 +334,9 @@ def profile_command(
             raise ValueError("--new-tokens must be >= 2 (each cell's first step is dropped)")
         if not 0.0 <= holdout < 1.0:
             raise ValueError(f"--holdout must be in [0, 1), got {holdout}")
-        if draft_vocab < 0:
-            raise ValueError(f"--draft-vocab must be >= 0, got {draft_vocab}")
+        from dspark_obs.engine.draft_vocab import resolve_draft_vocab
+
+        draft_vocab = resolve_draft_vocab(draft_vocab, device)
         if backend not in BACKENDS:
             raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         stem = name or ("smollm2_h200" if cuda else f"smollm2_{device}")
@@ -385,7 +393,7 @@ def profile_command(
             "--new-tokens", str(new_tokens), "--gamma", str(gamma), "--drafter", str(path),
             "--out-dir", str(out_dir), "--name", stem, "--holdout", str(holdout),
             "--seed", str(seed),
-            *(["--draft-vocab", str(draft_vocab)] if draft_vocab else []),
+            "--draft-vocab", str(draft_vocab),
             *(["--backend", backend] if backend != "auto" else []),
         ]  # fmt: skip
         meta = {

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from dspark_obs.cli.run import DraftVocabOpt
 from dspark_obs.cli.store import StoreOpt
 
 if TYPE_CHECKING:  # torch-backed: imported only when a command needs it
@@ -60,6 +61,7 @@ def engine_server_command(
         bool, typer.Option("--tiny", help="A tiny random model over bytes (fast; for tests).")
     ] = False,
     device: Annotated[str, typer.Option(help="cpu | cuda.")] = "cpu",
+    draft_vocab: DraftVocabOpt = None,
     dump: Annotated[
         str | None,
         typer.Option(
@@ -101,6 +103,7 @@ def engine_server_command(
         sts=sts,
         drafter=drafter,
         device=device,
+        draft_vocab=draft_vocab,
         dump=dump,
         max_records=max_records,
         estimator_path=estimator_path,

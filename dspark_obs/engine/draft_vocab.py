@@ -16,6 +16,25 @@ from pathlib import Path
 
 DEFAULT_PATH = Path(__file__).resolve().parents[2] / "runtime" / "drafter" / "draft_vocab.json"
 
+CPU_DRAFT_VOCAB = 16384
+"""The CPU's default size. There the full-vocabulary head at every block position costs about
+a target step, and the top 16,384 ids drafted faster than the whole vocabulary in every
+side-by-side run (README, "Engine throughput"); on a GPU the head is cheap and the whole
+vocabulary accepts more, so drafting keeps it there."""
+
+
+def default_draft_vocab(device: str) -> int:
+    """The draft vocabulary size a run on ``device`` uses unless told (0: the whole one)."""
+    return 0 if str(device).startswith("cuda") else CPU_DRAFT_VOCAB
+
+
+def resolve_draft_vocab(n: int | None, device: str) -> int:
+    """``n`` (None: the device's default), checked."""
+    n = default_draft_vocab(device) if n is None else int(n)
+    if n < 0:
+        raise ValueError(f"--draft-vocab must be >= 0 (0: the whole vocabulary), got {n}")
+    return n
+
 
 def rank_tokens(sequences: Iterable[Sequence[int]]) -> list[int]:
     """Token ids by falling frequency over ``sequences`` (ties: the lower id first)."""

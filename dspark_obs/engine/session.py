@@ -46,6 +46,7 @@ class Models:
     stop_ids: tuple[int, ...]
     model_name: str
     drafter_name: str
+    draft_vocab: int = 0  # top-N ids the drafter drafts from (0: the whole vocabulary)
 
 
 def load_models(
@@ -53,13 +54,19 @@ def load_models(
     device: str = "cpu",
     dtype: torch.dtype | None = None,
     sts: str | Path | Sequence[float] | None = None,
+    draft_vocab: int = 0,
 ) -> Models:
     """SmolLM2-135M-Instruct and the shipped (or given) DSpark drafter (STS: file or values),
-    in ``dtype`` (default float32 on the CPU, bfloat16 on a GPU)."""
+    in ``dtype`` (default float32 on the CPU, bfloat16 on a GPU), drafting from the top
+    ``draft_vocab`` training ids (0: the whole vocabulary; the commands default to the
+    device's size, ``draft_vocab.resolve_draft_vocab``)."""
     if dtype is None:
         dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    from dspark_obs.engine.draft_vocab import resolve_draft_vocab, shipped_draft_vocab
     from dspark_obs.engine.drafter import Drafter
     from dspark_obs.engine.weights import load_smollm2, stop_token_ids
+
+    n_vocab = resolve_draft_vocab(draft_vocab, str(device))  # checks the size
 
     path = Path(drafter_path) if drafter_path else DEFAULT_DRAFTER
     if not (path / "config.json").is_file():
@@ -68,9 +75,10 @@ def load_models(
     drafter = Drafter.load(path, target).to(device=device, dtype=dtype).eval()
     if sts is not None:
         drafter.set_sts(sts)
-    return Models(
-        target, drafter, tokenizer, stop_token_ids(tokenizer), "SmolLM2-135M-Instruct", path.name
-    )
+    stops = stop_token_ids(tokenizer)
+    if n_vocab:
+        drafter.set_draft_vocab(shipped_draft_vocab(n_vocab, stops))
+    return Models(target, drafter, tokenizer, stops, "SmolLM2-135M-Instruct", path.name, n_vocab)
 
 
 def traffic_to_requests(traffic: Sequence[Any], tokenizer: Any) -> list[GenRequest]:
@@ -145,6 +153,7 @@ def run_with_companion(
         "max_batch": config.max_batch,
         "requests": len(requests),
         "cost_table": None if config.cost_table is None else config.cost_table.to_dict(),
+        "draft_vocab": models.draft_vocab or None,  # None: the whole vocabulary
         **(extra_config or {}),
     }
 

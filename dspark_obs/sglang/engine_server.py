@@ -97,6 +97,7 @@ class ServerOptions:
     sts: Path | None = None
     drafter: Path | None = None
     device: str = "cpu"
+    draft_vocab: int | None = None  # None: the device's default (draft_vocab.py)
     dump: str | None = None
     max_records: int = MAX_RECORDS
     estimator_path: Path | None = None
@@ -114,6 +115,7 @@ def build_service(
     model without a tokenizer, served through the byte codec, from
     :func:`dspark_obs.testing.tiny_models.byte_models`), else around the models loaded from
     ``opts.drafter``; errors before any socket."""
+    from dspark_obs.engine.draft_vocab import resolve_draft_vocab
     from dspark_obs.engine.session import load_cost_table, load_models
 
     t0 = time.perf_counter()  # start-up durations are reported as SGLang does (startup_time)
@@ -139,7 +141,10 @@ def build_service(
         codec: Codec = ByteCodec() if models.tokenizer is None else TokenizerCodec(models.tokenizer)
         table = CostTable.load(opts.cost_table) if opts.cost_table else None
     else:
-        models = load_models(opts.drafter, device=opts.device, sts=opts.sts)
+        models = load_models(
+            opts.drafter, device=opts.device, sts=opts.sts,
+            draft_vocab=resolve_draft_vocab(opts.draft_vocab, opts.device),
+        )  # fmt: skip
         codec = TokenizerCodec(models.tokenizer)
         table = load_cost_table(opts.cost_table, opts.device)
     config = EngineConfig(
