@@ -101,7 +101,7 @@ DEFAULTS = {
     "cuda": {"batch": "1,2,4,8,16,32,64", "new_tokens": 128, "reps": 3},
 }
 GAMMA = 5
-ENGINE_VARIANTS = ("static", "compact")
+ENGINE_VARIANTS = ("static", "compact", "compact-hostfirst")
 
 
 def log(msg: str) -> None:
@@ -136,9 +136,14 @@ def run_engine(models: Any, reqs: Sequence[GenRequest], bs: int, mode: str, tabl
                device: torch.device, compiled: bool = False,
                backend: str = "batched", whole_block: bool = True,
                launch_ahead: bool | None = None, device_windows: bool = True) -> Measurement:
-    cfg = EngineConfig(mode=mode, gamma=GAMMA, max_batch=bs, cost_table=table, compile=compiled,
-                       backend=backend, whole_block_verify=whole_block, launch_ahead=launch_ahead,
-                       device_windows=device_windows)
+    """One engine run; variant ``compact-hostfirst`` is compact with every arrival's first
+    token read on the host (``first_token_on_device=False``, the code before it), for an A/B
+    inside one run."""
+    first_on_device = False if mode == "compact-hostfirst" else None
+    cfg = EngineConfig(mode=mode.removesuffix("-hostfirst"), gamma=GAMMA, max_batch=bs,
+                       cost_table=table, compile=compiled, backend=backend,
+                       whole_block_verify=whole_block, launch_ahead=launch_ahead,
+                       device_windows=device_windows, first_token_on_device=first_on_device)
     eng = Engine(models.target, models.drafter, cfg, models.stop_ids)
     sink = MemorySink()
     fan = FanOut([sink])
@@ -226,7 +231,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=None, help="cpu 64, cuda 128")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (cpu 2, cuda 3)")
     ap.add_argument("--variants", default="nospec,static,compact",
-                    help="subset of nospec,static,compact (hf: see --hf)")
+                    help="subset of nospec,static,compact,compact-hostfirst (compact with each "
+                         "arrival's first token read on the host, for an A/B; hf: see --hf)")
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
                     help="HF transformers generate at batch 1 (default on)")
     ap.add_argument("--hf-reps", type=int, default=1,

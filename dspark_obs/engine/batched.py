@@ -244,6 +244,12 @@ class BatchedRuntime(BlockSteps):
         self._anchors[slot] = token
         self._dirty.add(slot)
 
+    def set_first_anchors(self, slots: Sequence[int], tokens: Tensor) -> None:
+        """Upload what the host changed first (the prefill's lengths), then write the anchors
+        on the device itself; the slots stay clean, so no later upload overwrites them."""
+        self._flush()
+        self._danchor[self._device(np.asarray(slots, dtype=np.int64))] = tokens
+
     def reset(self) -> None:
         """Forget every running request (a new run starts; the drafter's STS temperatures
         are read again at its first draft)."""

@@ -13,7 +13,32 @@ from dspark_obs.engine.censored import Censored
 from dspark_obs.engine.penalties import OutputCounts
 from dspark_obs.engine.types import MASKED_LOGIT, GenRequest
 
-__all__ = ["Live", "mask_stops", "sglang_adjusts_logits"]
+__all__ = ["FirstTokens", "Live", "mask_stops", "sglang_adjusts_logits"]
+
+
+class FirstTokens:
+    """The first tokens of one admission's greedy arrivals, argmax'd on the device and copied
+    to the host without waiting. They are read when the first step that ran those requests
+    is read; that step's read-back came after this copy on the device's stream, so nothing
+    waits there."""
+
+    def __init__(self, tokens: torch.Tensor) -> None:
+        """``tokens``: int64 [k] on the device (the admission's argmax)."""
+        self._values: list[int] | None = None
+        if tokens.device.type == "cuda":
+            self._host = torch.empty(tokens.shape, dtype=torch.long, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._ready: torch.cuda.Event | None = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = tokens.detach().clone(), None
+
+    def __getitem__(self, i: int) -> int:
+        if self._values is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            self._values = self._host.tolist()
+        return self._values[i]
 
 
 @dataclass(eq=False)  # a running request is an identity: removing one compares no fields
@@ -31,6 +56,9 @@ class Live:
     stops: frozenset[int] = frozenset()  # the engine's EOS ids + the request's stop ids
     counts: OutputCounts | None = None  # output token counts (penalized requests only)
     rec: int = -1  # the request's index in the run's StepRecordBuilder (register)
+    # the first token while it is still on its way from the device (``output`` is empty and
+    # ``anchor`` unset until :func:`~dspark_obs.engine.step.land_first_tokens` books it)
+    first: tuple[FirstTokens, int] | None = None
 
     def masked_rows(self, rows: int) -> int:
         """How many of the next ``rows`` output positions still fall under

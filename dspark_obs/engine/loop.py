@@ -52,12 +52,18 @@ import torch
 
 from dspark_obs.engine.acceptance import SAMPLING_EPS, process_logits
 from dspark_obs.engine.drafter import Drafter
-from dspark_obs.engine.live import Live, mask_stops
+from dspark_obs.engine.live import FirstTokens, Live, mask_stops
 from dspark_obs.engine.model import Target
 from dspark_obs.engine.penalties import OutputCounts, penalty_error
 from dspark_obs.engine.runtime import Runtime, engine_runtime, uses_batched
 from dspark_obs.engine.scheduler import Scheduler
-from dspark_obs.engine.step import StepIO, StepPipeline, opens_censored, run_pending
+from dspark_obs.engine.step import (
+    StepIO,
+    StepPipeline,
+    land_first_tokens,
+    opens_censored,
+    run_pending,
+)
 from dspark_obs.engine.step_records import RecordWorker, StepRecordBuilder
 from dspark_obs.engine.step_rows import request_row, waiting_row
 from dspark_obs.engine.types import (
@@ -303,6 +309,9 @@ class Engine:
                 kept: list[Live] = []
                 for live in sorted(self._admit(arrived, out.builder), key=lambda x: -x.slot):
                     result.committed_tokens += 1  # the first token comes from the prefill
+                    if live.first is not None:  # still on the device: booked when read
+                        kept.append(live)
+                        continue
                     if self._on_tokens is not None:
                         self._on_tokens(live.req.rid, [live.anchor])
                     if live.stops_at(live.anchor):
@@ -394,6 +403,8 @@ class Engine:
         arrival = time.time()
         slots = [rt.acquire() for _ in reqs]
         logits = rt.prefill(slots, [r.prompt_ids for r in reqs])
+        if self._first_on_device(reqs):
+            return self._admit_on_device(reqs, slots, logits, builder, arrival)
         argmax = logits.argmax(-1).tolist()
         lives = []
         for req, logits_row, slot, top in zip(reqs, logits, slots, argmax, strict=True):
@@ -427,6 +438,52 @@ class Engine:
             )
         return lives
 
+    def _first_on_device(self, reqs: Sequence[GenRequest]) -> bool:
+        """Whether these arrivals' first tokens stay on the device: every one greedy, with
+        nothing that reads the first token on the host before a step (a ``min_new_tokens``
+        mask, penalties, a single-token request); one that does makes the whole admission
+        read its argmax, which is one wait either way."""
+        wanted = self.cfg.first_token_on_device
+        if not (self._rt.asynchronous if wanted is None else wanted):
+            return False
+        return all(
+            r.temperature < SAMPLING_EPS and r.min_new_tokens == 0 and not r.penalties.active
+            and r.max_new_tokens > 1
+            for r in reqs
+        )  # fmt: skip
+
+    def _admit_on_device(
+        self,
+        reqs: Sequence[GenRequest],
+        slots: list[int],
+        logits: torch.Tensor,
+        builder: StepRecordBuilder,
+        arrival: float,
+    ) -> list[Live]:
+        """Greedy arrivals whose first token (the prefill's argmax) the device keeps: the
+        drafts start from it there, and the host books it when it reads the first step
+        that ran the request (:func:`~dspark_obs.engine.step.land_first_tokens`)."""
+        argmax = logits.argmax(-1)
+        self._rt.set_first_anchors(slots, argmax)
+        firsts = FirstTokens(argmax)
+        lives = []
+        for i, (req, slot) in enumerate(zip(reqs, slots, strict=True)):
+            gen = torch.Generator(device="cpu").manual_seed(int(req.seed))
+            torch.rand(1, generator=gen, dtype=torch.float64)  # as _sample draws: streams align
+            lives.append(
+                Live(
+                    req=req, gen=gen, anchor=-1, output=[], arrival_time=arrival,
+                    first_token_time=math.nan, slot=slot,
+                    stops=self.stop_ids | frozenset(int(t) for t in req.stop_token_ids),
+                    rec=builder.register(
+                        req.rid, workload=req.workload, temperature=req.temperature,
+                        top_p=req.top_p, top_k=req.top_k,
+                    ),
+                    first=(firsts, i),
+                )
+            )  # fmt: skip
+        return lives
+
     def _abort(
         self,
         rids: set[str],
@@ -444,6 +501,7 @@ class Engine:
         hit = [live for live in running if live.req.rid in rids]
         if hit:
             settle()
+            land_first_tokens(hit, self._on_tokens)
             for live in sorted(hit, key=lambda d: -d.slot):  # highest slot first
                 running.remove(live)
                 self._release(live, running)

@@ -112,6 +112,10 @@ class ReferenceRuntime:
     def set_anchor(self, slot: int, token: int) -> None:
         self._slot(slot).anchor = int(token)
 
+    def set_first_anchors(self, slots: Sequence[int], tokens: Tensor) -> None:
+        for slot, token in zip(slots, tokens.tolist(), strict=True):  # synchronous: no gain
+            self.set_anchor(slot, token)
+
     def commit(self, slot: int, length: int, anchor: int, *, on_device: bool = False) -> None:
         s = self._slot(slot)
         if s.pending:

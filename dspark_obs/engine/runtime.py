@@ -87,6 +87,12 @@ class Runtime(Protocol):
         """The token ``slot`` drafts from next (the first one after its prefill)."""
         ...
 
+    def set_first_anchors(self, slots: Sequence[int], tokens: Tensor) -> None:
+        """The first tokens of just prefilled ``slots`` as the device computed them (int64
+        [k], not read here): drafts start from them before the host knows them, and the
+        slot's next commit gives the host its anchor."""
+        ...
+
     def can_launch_ahead(self, batch: int) -> bool:
         """Whether a whole-block step of slots ``0..batch-1`` can launch before the host read
         the step before it (drafts and whole-block verifies then start from the device's own

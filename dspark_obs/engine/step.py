@@ -68,7 +68,7 @@ from dspark_obs.engine.step_records import StepArrays
 from dspark_obs.engine.step_rows import Censors, StepResult, StepStats
 from dspark_obs.engine.types import EngineConfig, OnTokens, RunResult
 
-__all__ = ["StepIO", "StepPipeline", "opens_censored", "run_pending"]
+__all__ = ["StepIO", "StepPipeline", "land_first_tokens", "opens_censored", "run_pending"]
 
 Finish = Callable[[Live, str], None]
 AddStep = Callable[[StepArrays], None]
@@ -102,6 +102,26 @@ def opens_censored(
     ):
         censors, live.censored = False, []
     return censors
+
+
+def land_first_tokens(lives: Sequence[Live], on_tokens: OnTokens | None) -> list[Live]:
+    """Book the first token of each request in ``lives`` that the device kept
+    (``Live.first``): its output, its anchor, its first-token time, its stream's first
+    token. Returns those it finishes (the token is a stop id); a step that ran them is
+    wasted for them, as for any request that finished while a step was in flight."""
+    stopped = []
+    for live in lives:
+        if live.first is None:
+            continue
+        tokens, i = live.first
+        live.first, live.anchor = None, tokens[i]
+        live.output.append(live.anchor)
+        live.first_token_time = time.time()
+        if on_tokens is not None:
+            on_tokens(live.req.rid, [live.anchor])
+        if live.stops_at(live.anchor):
+            stopped.append(live)
+    return stopped
 
 
 def run_pending(pending: list[Callable[[], None]]) -> None:
@@ -176,8 +196,9 @@ class StepPipeline:
                 self._records_read_logits = False  # its rows were copied, or are not read
                 return
             io.retire(self._read(inflight, running, io))
-            if not running:
-                return
+        self._land(list(running), io)  # the pipeline is drained: every kept first token
+        if not running:
+            return
         whole, decision = self._whole_block(running, pending=0)
         if not whole:
             io.retire(self._split_step(running, fct, io))
@@ -189,6 +210,16 @@ class StepPipeline:
             self._inflight = launched  # read at the next step, after it launched its own
             return
         io.retire(self._read(launched, running, io))
+
+    def _land(self, lives: Sequence[Live], io: StepIO) -> None:
+        """Book the first tokens the device kept for ``lives`` (running requests: the
+        pipeline is drained, or they rode in the step being read); those that stop at it
+        finish now and leave the running batch."""
+        stopped = land_first_tokens(lives, self.on_tokens)
+        for live in stopped:
+            io.finish(live, "stop")
+        if stopped:
+            io.retire(stopped)
 
     def _launch(
         self,
@@ -241,6 +272,7 @@ class StepPipeline:
         cfg, gamma = self.cfg, self.cfg.gamma
         t0 = time.perf_counter()
         host = launched.verified.fetch()
+        self._land(launched.running, io)  # arrivals that rode in it (nothing waits)
         still = {id(live) for live in running}
         index = np.array(
             [i for i, live in enumerate(launched.running) if id(live) in still], dtype=np.int64

@@ -78,6 +78,10 @@ class EngineConfig:
     # on the CPU the host's per-request acceptance measured cheaper: README, "Engine
     # throughput")
     device_sampling: bool | None = None
+    # greedy arrivals' first tokens stay on the device (argmax there, drafted from there, read
+    # with the first step that ran them), so an arrival does not stop the launched-ahead
+    # pipeline (None: on an asynchronous runtime; True also on the CPU, for the tests)
+    first_token_on_device: bool | None = None
     compile: bool = False  # batched backend: fuse each layer's dense pieces (torch.compile)
     capture_graphs: bool = False  # capture every decode-step CUDA graph before the first step
     token_tiers: tuple[int, ...] | None = None  # packed-token counts graphs are captured for

@@ -58,13 +58,16 @@ __all__ = [
     "summarize",
 ]
 
-VARIANTS = ("nospec", "static", "compact", "hf")
+VARIANTS = ("nospec", "static", "compact", "compact-hostfirst", "hf")
+HOSTFIRST = "compact-hostfirst"  # compact with each arrival's first token read on the host
 BASELINE = "nospec"
 POOLED = "all"
 RATIO_PAIRS: tuple[tuple[str, str], ...] = (
     ("static", "nospec"),
     ("compact", "nospec"),
     ("compact", "static"),
+    ("compact-hostfirst", "nospec"),
+    ("compact", "compact-hostfirst"),
     ("nospec", "hf"),
     ("static", "hf"),
     ("compact", "hf"),
@@ -398,6 +401,19 @@ def markdown_tables(summary: Mapping[str, Any]) -> str:
         )
     hf = [c for c in summary["cells"] if c["variant"] == "hf" and c["scope"] == POOLED]
     out = "\n".join(lines)
+    ab = [c for c in summary["cells"] if c["variant"] == HOSTFIRST and c["scope"] == POOLED]
+    if ab:
+        rows = ["| batch | compact, first token read on the host tok/s | its / no-spec "
+                "| compact / it | token match vs no-spec |", "|---|---|---|---|---|"]
+        for c in ab:
+            b = c["batch"]
+            rows.append(
+                f"| {b} | {_f(c['tokens_per_s'])} "
+                f"| {_f(_rat(summary, HOSTFIRST, 'nospec', b), '.2f', 'x')} "
+                f"| {_f(_rat(summary, 'compact', HOSTFIRST, b), '.3f', 'x')} "
+                f"| {_f(c.get('match_rate'), '.3f')} |"
+            )
+        out += "\n\n" + "\n".join(rows)
     if hf:
         rows = ["| batch | HF generate tok/s | tok/s per request | no-spec / HF | static / HF "
                 "| compact / HF | token match vs no-spec (exact share) |",
