@@ -43,7 +43,7 @@ from dspark_obs.workloads import load_traffic
 SECONDS: collections.defaultdict[str, float] = collections.defaultdict(float)
 CALLS: collections.Counter[str] = collections.Counter()
 PREFILL_SIZES: collections.Counter[int] = collections.Counter()
-PIPELINE = ("_split_step", "_launch", "_read", "_whole_block", "_hand_over", "_accept_and_commit")
+PIPELINE = ("_split_step", "_launch", "_read", "_whole_block", "_hand_over", "_commit")
 
 
 def timed(owner: Any, name: str, label: str, sync: bool = False) -> None:

@@ -175,7 +175,7 @@ TIMED = (  # (module, class, method): the parts of a step, outermost first
     ("dspark_obs.engine.step", "StepPipeline", "_launch"),
     ("dspark_obs.engine.step", "StepPipeline", "_read"),
     ("dspark_obs.engine.step", "StepPipeline", "_split_step"),
-    ("dspark_obs.engine.step", "StepPipeline", "_accept_and_commit"),
+    ("dspark_obs.engine.step", "StepPipeline", "_commit"),
     ("dspark_obs.engine.step", "StepPipeline", "_hand_over"),
     ("dspark_obs.engine.block_verify", "BlockVerified", "fetch"),
     ("dspark_obs.engine.batched", "BatchedRuntime", "draft"),

@@ -479,7 +479,8 @@ def plot_results(summary: Mapping[str, Any], stem: str | Path, title: str = "") 
     stem = Path(stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
     style = {"nospec": ("no-spec", "tab:gray", "o"), "static": ("DSpark static", "tab:blue", "s"),
-             "compact": ("DSpark compact", "tab:red", "^"), "hf": ("HF generate", "black", "x")}
+             "compact": ("DSpark compact", "tab:red", "^"), "hf": ("HF generate", "black", "x"),
+             HOSTFIRST: ("DSpark compact, first token read on the host", "tab:orange", "v")}
     series: dict[str, list[Mapping[str, Any]]] = {}
     for c in summary["cells"]:
         if c["scope"] == POOLED and c["tokens_per_s"] is not None:
