@@ -83,6 +83,7 @@ from dspark_obs.engine.session import (
 from dspark_obs.engine.types import EngineConfig, GenRequest
 from dspark_obs.fanout import FanOut, MemorySink
 from dspark_obs.testing.throughput_bench import (
+    HOSTFIRST,
     POOLED,
     Measurement,
     RequestStat,
@@ -101,7 +102,7 @@ DEFAULTS = {
     "cuda": {"batch": "1,2,4,8,16,32,64", "new_tokens": 128, "reps": 3},
 }
 GAMMA = 5
-ENGINE_VARIANTS = ("static", "compact", "compact-hostfirst")
+ENGINE_VARIANTS = ("static", "compact", HOSTFIRST)
 
 
 def log(msg: str) -> None:
@@ -139,8 +140,8 @@ def run_engine(models: Any, reqs: Sequence[GenRequest], bs: int, mode: str, tabl
     """One engine run; variant ``compact-hostfirst`` is compact with every arrival's first
     token read on the host (``first_token_on_device=False``, the code before it), for an A/B
     inside one run."""
-    first_on_device = False if mode == "compact-hostfirst" else None
-    cfg = EngineConfig(mode=mode.removesuffix("-hostfirst"), gamma=GAMMA, max_batch=bs,
+    first_on_device = False if mode == HOSTFIRST else None
+    cfg = EngineConfig(mode="compact" if mode == HOSTFIRST else mode, gamma=GAMMA, max_batch=bs,
                        cost_table=table, compile=compiled, backend=backend,
                        whole_block_verify=whole_block, launch_ahead=launch_ahead,
                        device_windows=device_windows, first_token_on_device=first_on_device)

@@ -37,7 +37,7 @@ def _untimed(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "ts" and not k.endswith(clock)} for r in ordered]
 
 
-def _count_landings(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+def _count_kept(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     seen = {"kept": 0}
     init = FirstTokens.__init__
 
@@ -58,7 +58,7 @@ def test_first_tokens_on_the_device_change_no_token_and_no_record(
 ) -> None:
     """Requests arrive at several steps, finish at others, and take freed slots while a step
     is in flight; every token, every request row and every step row is the host path's."""
-    seen = _count_landings(monkeypatch)
+    seen = _count_kept(monkeypatch)
     reqs = _requests(10, seed=6)
     cost_table = {None: None, "free": _free_table(), "mild": _mild_table()}[table]
     runs = {}
@@ -130,18 +130,18 @@ def test_a_request_cancelled_before_its_first_token_lands_keeps_that_token(
     for r in reqs:
         r.arrival_step = 0
     victim = reqs[4].rid  # admitted when a slot frees, while a step is in flight
-    admit = Engine._admit_on_device
+    admit = Engine._admit
     pending_at_cancel = []
 
-    def admit_then_cancel(self, reqs_, slots, logits, builder, arrival):  # type: ignore[no-untyped-def]
-        lives = admit(self, reqs_, slots, logits, builder, arrival)
+    def admit_then_cancel(self, reqs_, builder):  # type: ignore[no-untyped-def]
+        lives = admit(self, reqs_, builder)
         for live in lives:
-            if live.req.rid == victim:
+            if live.req.rid == victim and live.first is not None:
                 self.cancel(victim)  # taken at the loop's next turn, before any step reads it
                 pending_at_cancel.append(live)
         return lives
 
-    monkeypatch.setattr(Engine, "_admit_on_device", admit_then_cancel)
+    monkeypatch.setattr(Engine, "_admit", admit_then_cancel)
     target, drafter = _models(7)
     cfg = EngineConfig(mode="compact", max_batch=3, backend="batched", launch_ahead=True,
                        first_token_on_device=True)  # fmt: skip
@@ -163,7 +163,7 @@ def test_sampled_and_masked_arrivals_read_their_first_token_at_admission(
     """A sampled first token draws from the request's generator on the host, and a
     ``min_new_tokens`` mask or a single-token request reads it before any step: an admission
     holding one of them reads every first token there (one wait either way)."""
-    seen = _count_landings(monkeypatch)
+    seen = _count_kept(monkeypatch)
     reqs = _requests(6, seed=4)
     for r in reqs:
         r.arrival_step = 0

@@ -396,25 +396,36 @@ class Engine:
 
     def _admit(self, reqs: Sequence[GenRequest], builder: StepRecordBuilder) -> list[Live]:
         """Prefill arrivals (one packed forward for all of them on the batched backend),
-        sample each one's first token, and register each with the run's record ``builder``."""
+        sample each one's first token, and register each with the run's record ``builder``.
+        Where :meth:`_first_on_device` allows, the first tokens (the prefill's argmax) stay on
+        the device: drafts start from them there, and the host books each when it reads the
+        first step that ran the request (:func:`~dspark_obs.engine.step.land_first_tokens`)."""
         if not reqs:
             return []
         rt = self._rt
         arrival = time.time()
         slots = [rt.acquire() for _ in reqs]
         logits = rt.prefill(slots, [r.prompt_ids for r in reqs])
+        kept: FirstTokens | None = None
         if self._first_on_device(reqs):
-            return self._admit_on_device(reqs, slots, logits, builder, arrival)
-        argmax = logits.argmax(-1).tolist()
+            argmax_on_device = logits.argmax(-1)
+            rt.set_first_anchors(slots, argmax_on_device)
+            kept = FirstTokens(argmax_on_device)
+            argmax = [-1] * len(reqs)  # unknown here: every row is greedy and unmasked
+        else:
+            argmax = logits.argmax(-1).tolist()
         lives = []
-        for req, logits_row, slot, top in zip(reqs, logits, slots, argmax, strict=True):
+        for i, (req, logits_row, slot, top) in enumerate(
+            zip(reqs, logits, slots, argmax, strict=True)
+        ):
             gen = torch.Generator(device="cpu").manual_seed(int(req.seed))
             stops = self.stop_ids | frozenset(int(t) for t in req.stop_token_ids)
             if req.min_new_tokens > 0:  # the first token is output token 0: masked
                 logits_row = mask_stops(logits_row[None], 1, stops)[0]
                 top = int(torch.argmax(logits_row))
-            first = self._sample(logits_row, req, gen, top)
-            rt.set_anchor(slot, first)
+            first = self._sample(logits_row, req, gen, top)  # its one draw either way
+            if kept is None:
+                rt.set_anchor(slot, first)
             counts = None
             if req.penalties.active:  # the prefill row saw no output yet: nothing to penalize
                 counts = OutputCounts(self.target.cfg.vocab_size, logits_row.device)
@@ -424,9 +435,9 @@ class Engine:
                     req=req,
                     gen=gen,
                     anchor=first,
-                    output=[first],
+                    output=[first] if kept is None else [],
                     arrival_time=arrival,
-                    first_token_time=time.time(),
+                    first_token_time=time.time() if kept is None else math.nan,
                     slot=slot,
                     stops=stops,
                     counts=counts,
@@ -434,6 +445,7 @@ class Engine:
                         req.rid, workload=req.workload, temperature=req.temperature,
                         top_p=req.top_p, top_k=req.top_k,
                     ),  # fmt: skip
+                    first=None if kept is None else (kept, i),
                 )
             )
         return lives
@@ -451,38 +463,6 @@ class Engine:
             and r.max_new_tokens > 1
             for r in reqs
         )  # fmt: skip
-
-    def _admit_on_device(
-        self,
-        reqs: Sequence[GenRequest],
-        slots: list[int],
-        logits: torch.Tensor,
-        builder: StepRecordBuilder,
-        arrival: float,
-    ) -> list[Live]:
-        """Greedy arrivals whose first token (the prefill's argmax) the device keeps: the
-        drafts start from it there, and the host books it when it reads the first step
-        that ran the request (:func:`~dspark_obs.engine.step.land_first_tokens`)."""
-        argmax = logits.argmax(-1)
-        self._rt.set_first_anchors(slots, argmax)
-        firsts = FirstTokens(argmax)
-        lives = []
-        for i, (req, slot) in enumerate(zip(reqs, slots, strict=True)):
-            gen = torch.Generator(device="cpu").manual_seed(int(req.seed))
-            torch.rand(1, generator=gen, dtype=torch.float64)  # as _sample draws: streams align
-            lives.append(
-                Live(
-                    req=req, gen=gen, anchor=-1, output=[], arrival_time=arrival,
-                    first_token_time=math.nan, slot=slot,
-                    stops=self.stop_ids | frozenset(int(t) for t in req.stop_token_ids),
-                    rec=builder.register(
-                        req.rid, workload=req.workload, temperature=req.temperature,
-                        top_p=req.top_p, top_k=req.top_k,
-                    ),
-                    first=(firsts, i),
-                )
-            )  # fmt: skip
-        return lives
 
     def _abort(
         self,

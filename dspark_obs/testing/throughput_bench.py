@@ -41,6 +41,7 @@ from dspark_obs.workloads import WORKLOADS, TrafficRequest, load_prompts
 from dspark_obs.workloads.base import derive_seed
 
 __all__ = [
+    "HOSTFIRST",
     "BASELINE",
     "POOLED",
     "RATIO_PAIRS",
@@ -58,16 +59,16 @@ __all__ = [
     "summarize",
 ]
 
-VARIANTS = ("nospec", "static", "compact", "compact-hostfirst", "hf")
 HOSTFIRST = "compact-hostfirst"  # compact with each arrival's first token read on the host
+VARIANTS = ("nospec", "static", "compact", HOSTFIRST, "hf")
 BASELINE = "nospec"
 POOLED = "all"
 RATIO_PAIRS: tuple[tuple[str, str], ...] = (
     ("static", "nospec"),
     ("compact", "nospec"),
     ("compact", "static"),
-    ("compact-hostfirst", "nospec"),
-    ("compact", "compact-hostfirst"),
+    (HOSTFIRST, "nospec"),
+    ("compact", HOSTFIRST),
     ("nospec", "hf"),
     ("static", "hf"),
     ("compact", "hf"),
