@@ -71,13 +71,13 @@ from typing import Any
 import torch
 
 from dspark_obs.engine.draft_vocab import resolve_draft_vocab
+from dspark_obs.engine.host_tables import cpu_model
 from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.no_spec import run_no_spec
 from dspark_obs.engine.session import (
     REPO_RUNTIME,
-    load_cost_table,
     load_models,
-    shipped_cost_table,
+    resolve_cost_table,
     traffic_to_requests,
 )
 from dspark_obs.engine.types import EngineConfig, GenRequest
@@ -245,8 +245,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                          "warm-up did not: a queue's tail runs at small batch tiers); 0 "
                          "disables")
     ap.add_argument("--cost-table", default=None,
-                    help="cost table for compact (default: the shipped one for --device and "
-                         "--backend, load_cost_table(None, device, backend))")
+                    help="cost table for compact (default: on the CPU this host's table from "
+                         "dspark-obs profile --for-this-host, else the shipped one for "
+                         "--device and --backend: resolve_cost_table(None, ...))")
     ap.add_argument("--backend", choices=("batched", "reference"), default="batched",
                     help="runtime of every variant, no-spec included (engine.no_spec)")
     ap.add_argument("--whole-block", action=argparse.BooleanOptionalAction, default=True,
@@ -309,15 +310,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{name} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+    return f"{cpu_model()} ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
 
 
 def _vocab_note(meta: dict) -> str:
@@ -365,11 +358,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                          draft_vocab=args.draft_vocab)  # fmt: skip
     if models.draft_vocab:
         log(f"drafting from {int(models.drafter.draft_vocab.numel())} token ids")
-    table = load_cost_table(args.cost_table, args.device, args.backend)
-    table_name = args.cost_table or (
-        str(shipped_cost_table(args.device, args.backend).relative_to(REPO_RUNTIME.parent))
-        if table is not None else None
-    )
+    choice = resolve_cost_table(args.cost_table, args.device, args.backend, models.draft_vocab)
+    if choice.warning:
+        log(f"warning: {choice.warning}")
+    table = choice.table
+    table_path = choice.path
+    if table_path is not None and choice.origin == "shipped":
+        table_path = table_path.relative_to(REPO_RUNTIME.parent)  # what earlier JSONs name
+    table_name = None if table_path is None else str(table_path)
+    log(choice.summary())
     if table is None:
         log("no cost table: compact verifies every draft (same windows as static)")
     nospec_impl = f"dspark_obs.engine.no_spec.run_no_spec (backend {args.backend})"
@@ -457,6 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "new_tokens": args.new_tokens,
         "reps": args.reps,
         "cost_table": table_name,
+        "cost_table_profiled_here": choice.profiled_here,
         "nospec_impl": nospec_impl,
         "per_request_speed": {
             "definition": "(completion_tokens - 1) / (finish_time - first_token_time), median "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # No test plans with a table the developer profiled for this host (`dspark-obs profile
+    # --for-this-host`): the per-host table directory is an empty one of this session's
+    # (subprocesses inherit it); tests of the cache point it at their own tmp_path.
+    os.environ["DSPARK_OBS_COST_TABLES"] = tempfile.mkdtemp(prefix="dspark-obs-test-tables-")
     if hasattr(config, "workerinput"):  # a pytest-xdist worker, before it collects
         os.environ["OMP_NUM_THREADS"] = "1"
         os.environ["MKL_NUM_THREADS"] = "1"

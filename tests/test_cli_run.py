@@ -21,7 +21,12 @@ def smollm2() -> Path:
         pytest.skip(f"SmolLM2 GGUF unavailable (no PyPI access and no $DSPARK_OBS_GGUF): {exc}")
 
 
-def test_run_with_companion_then_report_and_query(smollm2: Path, tmp_path: Path) -> None:
+def test_run_with_companion_then_report_and_query(
+    smollm2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dspark_obs.engine import host_tables
+
+    monkeypatch.setattr(host_tables, "cpu_model", lambda: "Test CPU")  # not the shipped host
     store, out = tmp_path / "store", tmp_path / "report"
     runner = CliRunner()
     res = runner.invoke(
@@ -57,6 +62,16 @@ def test_run_with_companion_then_report_and_query(smollm2: Path, tmp_path: Path)
     assert len(counts) == 2 and counts[0]["committed"] == counts[1]["committed"] > 0
     configs = Store(store).query("SELECT config FROM runs").column("config").to_pylist()
     assert [json.loads(c)["draft_vocab"] for c in configs] == [16384, 16384]  # the CPU default
+    shipped = "runtime/cost_tables/smollm2_cpu_batched.json"
+    assert {json.loads(c)["cost_table_file"].endswith(shipped) for c in configs} == {True}
+    assert {json.loads(c)["cost_table_profiled_here"] for c in configs} == {False}
+    lines = res.output.splitlines()  # the table's truth: one warning, one summary line
+    warnings = [line for line in lines if line.startswith("warning: the shipped CPU cost table")]
+    assert len(warnings) == 1 and "this host is Test CPU" in warnings[0]
+    assert warnings[0].endswith("--for-this-host --batch-sizes 1,2,4,8 --new-tokens 16")
+    summary = [line for line in lines if line.startswith("cost table: ")]
+    assert len(summary) == 1 and summary[0].endswith(", not this host)")
+    assert f"{shipped} (shipped; profiled on Intel(R) Xeon(R) Processor" in summary[0]
 
     res = runner.invoke(
         app, ["report", "e2e", "--store", str(store), "--out", str(out), "--boot", "10"]

@@ -352,6 +352,9 @@ def test_cli_profile_writes_both_tables_and_the_report(smollm2: Path, tmp_path: 
     assert report["tables"] == {"additive": "t.json", "steps_per_sec": "t_1d.json"}
     assert "--batch-sizes 1,2 --fractions 0.0,1.0 --new-tokens 6" in report["command"]
     assert "--draft-vocab 4096" in report["command"] and report["draft_vocab"] == 4096
+    for table in (additive, one_d):  # each table says where it was timed
+        assert table.extra["host"] == report["host"]
+    assert report["host"]["draft_vocab"] == 4096 and report["host"]["backend"] == "batched"
     assert report["seed"] == 1 and len(report["held_out_cells"]) == 1
     assert len(report["cells"]) == 4 and len(report["samples"]) >= 4
     assert set(report["metrics"]) == {"additive", "steps_per_sec"}

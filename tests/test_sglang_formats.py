@@ -347,6 +347,15 @@ def test_sps_tables_decode_under_the_wheel_rules(classes, tmp_path):
         assert ('"bias_seconds"' in path.read_text()) == (cls is additive)
 
 
+def test_a_table_with_a_host_block_decodes_under_the_wheel_rules(classes):
+    """The ``host`` block dspark-obs profiles write is an unknown key SGLang ignores."""
+    additive = _struct(classes["SpsAdditiveCostTable"])
+    shipped = Path(__file__).resolve().parents[1] / "runtime/cost_tables/smollm2_cpu_batched.json"
+    assert "host" in json.loads(shipped.read_text())
+    back = msgspec.json.decode(shipped.read_bytes(), type=additive)
+    assert back.bias_seconds == CostTable.load(shipped).to_dict()["bias_seconds"]
+
+
 def test_sps_profiler_records_are_ingested(tmp_path):
     lines = [
         {

@@ -61,7 +61,11 @@ def run_command(
     cost_table: Annotated[
         Path | None,
         typer.Option(
-            help="SGLang SPS cost table JSON (CPU default: runtime/cost_tables/smollm2_cpu.json)."
+            help="SGLang SPS cost table JSON. Default on the CPU: this host's table (dspark-obs "
+            "profile --for-this-host), else the shipped runtime/cost_tables/smollm2_cpu_batched"
+            ".json (smollm2_cpu.json for --backend reference), profiled on another machine "
+            "(a warning says so); on cuda the shipped smollm2_h200.json.",
+            show_default=False,
         ),
     ] = None,
     sts: Annotated[
@@ -101,13 +105,14 @@ def run_command(
     """Run DSpark on SmolLM2-135M with the shipped drafter and store every step's records."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.text import Text
 
     from dspark_obs.cost_table import CostTableError
     from dspark_obs.engine.draft_vocab import resolve_draft_vocab
     from dspark_obs.engine.session import (
-        load_cost_table,
         load_models,
         new_run_id,
+        resolve_cost_table,
         run_with_companion,
         traffic_to_requests,
     )
@@ -129,12 +134,16 @@ def run_command(
         rid = run_id or new_run_id(mode)
         check_run_ids(rid, companion, store)
         draft_vocab = resolve_draft_vocab(draft_vocab, device)
+        table = resolve_cost_table(cost_table, device, backend, draft_vocab)
+        plans_windows = mode != "static"  # static verifies every block: no table is read
+        if plans_windows and table.warning:
+            console.print(Text.assemble(("warning: ", "yellow"), table.warning), soft_wrap=True)
         config = EngineConfig(
             mode=mode,
             gamma=gamma,
             lag_steps=lag,
             max_batch=max_batch,
-            cost_table=load_cost_table(cost_table, device, backend),
+            cost_table=table.table,
             estimator_rows=estimator_rows,
             backend=backend,
             compile=device.startswith("cuda") if compile is None else compile,
@@ -188,7 +197,12 @@ def run_command(
                 companion=companion,
                 workload=label,
                 seed=seed,
-                extra_config={"split": split, "device": device},
+                extra_config={
+                    "split": split,
+                    "device": device,
+                    "cost_table_file": None if table.path is None else str(table.path),
+                    "cost_table_profiled_here": table.profiled_here,
+                },
                 progress=progress,
                 on_fan=lambda fan: expose_backpressure(fan, live),
             )
@@ -215,6 +229,8 @@ def run_command(
             f"{res.committed_tokens} tokens in {res.seconds:.1f}s "
             f"({res.tokens_per_second:.1f} tok/s), target processed {res.target_tokens}"
         )
+    if plans_windows:
+        console.print(table.summary(), markup=False, highlight=False, soft_wrap=True)
     queues = [f"{r.run_id} {r.records.line()}" for r in (main, comp) if r and r.records]
     if fan.summary():
         queues.append(fan.summary())
@@ -270,13 +286,29 @@ def profile_command(
         ),
     ] = None,
     device: Annotated[str, typer.Option(help="cpu | cuda.")] = "cpu",
-    out_dir: Annotated[Path, typer.Option(help="Where the tables and the fit report go.")] = Path(
-        "runtime/cost_tables"
-    ),
+    out_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Where the tables and the fit report go (default: runtime/cost_tables).",
+            show_default=False,
+        ),
+    ] = None,
     name: Annotated[
         str | None,
         typer.Option(help="File stem (default smollm2_cpu, or smollm2_h200 on cuda)."),
     ] = None,
+    for_this_host: Annotated[
+        bool,
+        typer.Option(
+            "--for-this-host",
+            help="CPU only: keep the table as this host's, in $DSPARK_OBS_COST_TABLES (default "
+            "~/.cache/dspark-obs/cost_tables, under $DSPARK_OBS_CACHE if set), named for the "
+            "host, --backend and --draft-vocab. `run` and the benches then plan with it "
+            "instead of the shipped CPU table (profiled on another machine) whenever they run "
+            "here with that runtime and draft vocabulary and no --cost-table. Picks the file "
+            "name itself: not with --out-dir or --name.",
+        ),
+    ] = False,
     holdout: Annotated[
         float, typer.Option(help="Share of (bs, fraction) cells held out to judge the fits.")
     ] = 0.25,
@@ -299,6 +331,10 @@ def profile_command(
 
     Writes NAME.json (additive, what the scheduler loads), NAME_1d.json (steps-per-sec),
     NAME_fit.json (samples, cells, held-out and in-sample fit metrics) and NAME_fit.png.
+
+    Each table records the host it was profiled on (its "host" block). A CPU table predicts
+    that machine only: --for-this-host keeps it where `run` and the benches pick it up on
+    this host (with --batch-sizes 1,2,4,8 --new-tokens 16: 78 s on a 2-core AMD EPYC).
     """
     import shlex
     from datetime import UTC, datetime
@@ -310,6 +346,7 @@ def profile_command(
     from dspark_obs.cost_table import CostTableError
     from dspark_obs.engine.drafter import Drafter
     from dspark_obs.engine.drafter_config import DrafterConfig
+    from dspark_obs.engine.host_tables import host_table_dir, host_table_stem, this_host
     from dspark_obs.engine.profile import parse_batch_sizes, parse_fractions, profile_steps
     from dspark_obs.engine.profile_report import (
         evaluate_fits,
@@ -317,7 +354,7 @@ def profile_command(
         save_profile,
         save_samples,
     )
-    from dspark_obs.engine.session import DEFAULT_DRAFTER
+    from dspark_obs.engine.session import DEFAULT_DRAFTER, shipped_cost_table
     from dspark_obs.engine.slots import BATCH_TIERS, TOKEN_TIERS
     from dspark_obs.engine.types import BACKENDS, EngineError
     from dspark_obs.engine.weights import encode_chat, load_smollm2
@@ -339,9 +376,22 @@ def profile_command(
         draft_vocab = resolve_draft_vocab(draft_vocab, device)
         if backend not in BACKENDS:
             raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-        stem = name or ("smollm2_h200" if cuda else f"smollm2_{device}")
+        if for_this_host and device != "cpu":
+            raise ValueError(
+                "--for-this-host is for --device cpu (a GPU run uses the shipped H200 table "
+                "or --cost-table)"
+            )
+        if for_this_host and (out_dir is not None or name is not None):
+            raise ValueError("--for-this-host names the file itself: drop --out-dir / --name")
         if cuda and not torch.cuda.is_available():
             raise ValueError(f"--device {device}: this torch ({torch.__version__}) sees no GPU")
+        host = this_host(device, backend, draft_vocab)
+        if for_this_host:
+            out_dir = host_table_dir()
+            stem = host_table_stem(shipped_cost_table(device, backend).stem, host)
+        else:
+            out_dir = Path("runtime/cost_tables") if out_dir is None else out_dir
+            stem = name or ("smollm2_h200" if cuda else f"smollm2_{device}")
         target, tok = load_smollm2(device=device, dtype=torch.bfloat16 if cuda else torch.float32)
         path = drafter or DEFAULT_DRAFTER
         if (path / "config.json").is_file():
@@ -391,8 +441,9 @@ def profile_command(
             "dspark-obs", "profile", "--device", device,
             "--batch-sizes", ",".join(map(str, sizes)), "--fractions", ",".join(map(str, fracs)),
             "--new-tokens", str(new_tokens), "--gamma", str(gamma), "--drafter", str(path),
-            "--out-dir", str(out_dir), "--name", stem, "--holdout", str(holdout),
-            "--seed", str(seed),
+            *(["--for-this-host"] if for_this_host else
+              ["--out-dir", str(out_dir), "--name", stem]),
+            "--holdout", str(holdout), "--seed", str(seed),
             "--draft-vocab", str(draft_vocab),
             *(["--backend", backend] if backend != "auto" else []),
         ]  # fmt: skip
@@ -411,6 +462,7 @@ def profile_command(
             "fractions": fracs,
             "draft_vocab": draft_vocab or None,
             "backend": backend,
+            "host": host.to_block(),
         }
         paths = save_profile(report, out_dir, stem, meta)
     except (EngineError, CostTableError, ValueError) as exc:

@@ -233,16 +233,18 @@ def save_profile(
 ) -> dict[str, Path | None]:
     """Write both tables (SGLang JSON), ``<name>_fit.json`` and ``<name>_fit.png``.
 
-    ``meta`` (device, versions, the command...) heads the report. The plot entry is None
-    when matplotlib is missing; a plot left from an earlier profile of that name is removed
-    then, so it cannot be mistaken for this one.
+    ``meta`` (device, versions, the command...) heads the report; its ``host`` block, if
+    any, also goes into each table (a table predicts the host it was profiled on, and says
+    which: ``host_tables``). The plot entry is None when matplotlib is missing; a plot left
+    from an earlier profile of that name is removed then, so it cannot be mistaken for this one.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path | None] = {}
+    host = {"host": meta["host"]} if "host" in meta else {}
     for kind, fit in report.fits.items():
         path = out / f"{name}{TABLE_SUFFIX.get(kind, '_' + kind)}.json"
-        fit.table.save(path)
+        CostTable.from_dict({**fit.table.to_dict(), **host}, source=str(path)).save(path)
         paths[kind] = path
     png = out / f"{name}_fit.png"
     plotted = plot_fit(report, png, title=f"{name}: cost-table fit ({meta.get('device', '?')})")

@@ -6,6 +6,7 @@ Kept out of the CLI so tests and benchmarks drive exactly what ``dspark-obs run`
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -16,6 +17,14 @@ import torch
 
 from dspark_obs.cost_table import CostTable
 from dspark_obs.engine.acceptance import SAMPLING_EPS
+from dspark_obs.engine.host_tables import (
+    PROFILE_SECONDS_NOTE,
+    Host,
+    cached_host_table,
+    profile_command,
+    table_host,
+    this_host,
+)
 from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.types import (
     EngineConfig,
@@ -29,11 +38,15 @@ from dspark_obs.fanout import FanOut, RecordSink
 REPO_RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
 DEFAULT_DRAFTER = REPO_RUNTIME / "drafter"
 DEFAULT_CPU_COST_TABLE = REPO_RUNTIME / "cost_tables" / "smollm2_cpu_batched.json"
-"""Profiled on the batched runtime on the CPU (``backend="auto"`` or ``"batched"``)."""
+"""Profiled on the batched runtime on the CPU (``backend="auto"`` or ``"batched"``), on an
+Intel Xeon (its ``host`` block): a CPU run elsewhere prefers this host's cached table
+(``host_tables``) and warns when it has none."""
 DEFAULT_CPU_REFERENCE_COST_TABLE = REPO_RUNTIME / "cost_tables" / "smollm2_cpu.json"
 """Profiled (2026-11-30) before the batched runtime existed, on the per-request path the
 reference runtime keeps (``backend="reference"``)."""
 DEFAULT_GPU_COST_TABLE = REPO_RUNTIME / "cost_tables" / "smollm2_h200.json"
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -209,14 +222,79 @@ def shipped_cost_table(device: str, backend: str = "auto") -> Path:
     return DEFAULT_CPU_COST_TABLE
 
 
-def load_cost_table(
-    path: str | Path | None, device: str, backend: str = "auto"
-) -> CostTable | None:
-    """The given table, else :func:`shipped_cost_table`, else None (verify every draft,
-    SGLang's default)."""
+@dataclass(frozen=True)
+class CostTableChoice:
+    """The table a run plans with, where it came from, and the host it was profiled on.
+
+    ``origin``: ``given`` (a path), ``host`` (this host's cached table, from ``dspark-obs
+    profile --for-this-host``), ``shipped``, or ``none`` (verify every draft).
+    """
+
+    table: CostTable | None
+    path: Path | None
+    origin: str
+    profiled_on: Host | None  # None: the table does not say (an unknown host)
+    here: Host
+
+    @property
+    def profiled_here(self) -> bool | None:
+        """Whether the table was profiled on this host; None when it does not say."""
+        return None if self.profiled_on is None else self.profiled_on.same_as(self.here)
+
+    @property
+    def warning(self) -> str | None:
+        """One line when a CPU run falls back to a shipped table profiled elsewhere."""
+        if self.origin != "shipped" or self.here.device != "cpu" or self.profiled_here:
+            return None
+        where = "an unknown host" if self.profiled_on is None else self.profiled_on.describe()
+        return (
+            f"the shipped CPU cost table {self.path} was profiled on {where}, and this host is "
+            f"{self.here.describe()}: compact's windows may be wrong here. Profile this host "
+            f"once ({PROFILE_SECONDS_NOTE}): {profile_command(self.here)}"
+        )
+
+    def summary(self) -> str:
+        """One line for a run's summary: which table, and whether it was profiled here."""
+        if self.table is None:
+            return "cost table: none (every draft verified)"
+        label = {"given": "given; ", "shipped": "shipped; "}.get(self.origin, "")
+        if self.profiled_on is None:
+            host = "profiled on an unknown host"
+        elif self.profiled_here:
+            host = "profiled on this host"
+        else:
+            host = f"profiled on {self.profiled_on.describe()}, not this host"
+        return f"cost table: {self.path} ({label}{host})"
+
+
+def resolve_cost_table(
+    path: str | Path | None, device: str, backend: str = "auto", draft_vocab: int | None = None
+) -> CostTableChoice:
+    """The given table; else, on the CPU, this host's cached table for this runtime and
+    draft vocabulary (``host_tables.cached_host_table``); else :func:`shipped_cost_table`;
+    else none (verify every draft, SGLang's default). ``draft_vocab`` None: the device's
+    default. GPU runs never look in the cache."""
+    from dspark_obs.engine.draft_vocab import resolve_draft_vocab
+
+    here = this_host(device, backend, resolve_draft_vocab(draft_vocab, device))
     if path is not None:
-        return CostTable.load(path)
+        table = CostTable.load(path)
+        return CostTableChoice(table, Path(path), "given", table_host(table, path), here)
     shipped = shipped_cost_table(device, backend)
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        return None
-    return CostTable.load(shipped) if shipped.is_file() else None
+    if device == "cpu" and (cached := cached_host_table(shipped.stem, here)) is not None:
+        found, table = cached
+        return CostTableChoice(table, found, "host", table_host(table, found), here)
+    if (device.startswith("cuda") and not torch.cuda.is_available()) or not shipped.is_file():
+        return CostTableChoice(None, None, "none", None, here)
+    table = CostTable.load(shipped)
+    return CostTableChoice(table, shipped, "shipped", table_host(table, shipped), here)
+
+
+def load_cost_table(
+    path: str | Path | None, device: str, backend: str = "auto", draft_vocab: int | None = None
+) -> CostTable | None:
+    """:func:`resolve_cost_table`'s table; its warning, if any, goes to the log (stderr)."""
+    choice = resolve_cost_table(path, device, backend, draft_vocab)
+    if choice.warning:
+        _log.warning("warning: %s", choice.warning)
+    return choice.table

@@ -146,7 +146,7 @@ def build_service(
             draft_vocab=resolve_draft_vocab(opts.draft_vocab, opts.device),
         )  # fmt: skip
         codec = TokenizerCodec(models.tokenizer)
-        table = load_cost_table(opts.cost_table, opts.device)
+        table = load_cost_table(opts.cost_table, opts.device, draft_vocab=models.draft_vocab)
     config = EngineConfig(
         mode=mode,
         gamma=opts.gamma,
