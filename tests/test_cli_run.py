@@ -171,6 +171,9 @@ def test_every_refused_run_leaves_the_store_empty(smollm2: Path, tmp_path: Path)
             }
         )
     )
+    half = tmp_path / "half_drafter"  # config without weights: named, not a loader trace
+    half.mkdir()
+    (half / "config.json").write_text("{}")
     cases = (
         (["--sts", str(sts7)], "has 7 temperatures but gamma is 5"),
         (["--sts", str(tmp_path / "missing.json")], "missing.json: cannot read"),
@@ -179,6 +182,7 @@ def test_every_refused_run_leaves_the_store_empty(smollm2: Path, tmp_path: Path)
         (["--cost-table", str(negative)], "is not > 0"),
         (["--workload-file", str(tmp_path / "none.jsonl")], "none.jsonl"),
         (["--drafter", str(tmp_path)], "no drafter checkpoint"),
+        (["--drafter", str(half)], "missing " + str(half / "drafter.safetensors")),
         (["--max-new-tokens", "100000"], "exceeds the context"),
         (["--estimator-rows", "most"], "estimator_rows"),
     )

@@ -32,7 +32,12 @@ from dspark_obs.engine.profile_fit import (
     fit_table,
     split_cells,
 )
-from dspark_obs.engine.profile_report import evaluate_fits, fit_quality, predict_cell
+from dspark_obs.engine.profile_report import (
+    evaluate_fits,
+    fit_quality,
+    poor_fit_warning,
+    predict_cell,
+)
 from dspark_obs.engine.weights import ModelFetchError, fetch_model
 from dspark_obs.testing.tiny_models import tiny_pair
 
@@ -94,6 +99,16 @@ def test_split_is_by_whole_cells_seeded_and_order_free() -> None:
     assert split_cells(cells, 0.0) == (sorted(cells), [])
     with pytest.raises(ValueError, match="holdout"):
         split_cells(cells, 1.0)
+
+
+def test_a_profile_of_noise_is_flagged_and_a_clean_one_is_not() -> None:
+    """Step times that do not depend on (bs, K), as on a machine busy with something else,
+    give a table that would plan with noise: the profile says so; a clean grid says nothing."""
+    assert poor_fit_warning(evaluate_fits(synth(cpu_like), seed=0)) is None
+    rng = np.random.default_rng(5)
+    noise = [StepSample(s.bs, s.frac, s.k, float(rng.uniform(0.1, 1.0))) for s in synth(cpu_like)]
+    warning = poor_fit_warning(evaluate_fits(noise, seed=0))
+    assert warning is not None and "R^2" in warning and "idle" in warning
 
 
 def test_held_out_cells_never_reach_the_fit() -> None:
@@ -397,6 +412,20 @@ def test_cli_profile_refuses_bad_options_before_loading(
     assert res.exit_code == 2
     assert needle in " ".join(res.output.split())
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_profile_names_the_missing_half_of_a_drafter_checkpoint(tmp_path: Path) -> None:
+    """No checkpoint at all times a random drafter; a config without its weights (or the
+    reverse) is a mistake the user must hear about before the model loads."""
+    half = tmp_path / "drafter"
+    half.mkdir()
+    (half / "config.json").write_text("{}")
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["profile", "--drafter", str(half), "--out-dir", str(out)])
+    assert res.exit_code == 2, res.output
+    squeezed = "".join(res.output.split())  # the console wraps long paths anywhere
+    assert "isincomplete:missing" in squeezed and squeezed.endswith("drafter.safetensors")
+    assert "Traceback" not in res.output and not out.exists()
 
 
 @pytest.mark.parametrize(

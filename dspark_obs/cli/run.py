@@ -344,13 +344,14 @@ def profile_command(
     from rich.table import Table
 
     from dspark_obs.cost_table import CostTableError
-    from dspark_obs.engine.drafter import Drafter
+    from dspark_obs.engine.drafter import Drafter, missing_checkpoint_files
     from dspark_obs.engine.drafter_config import DrafterConfig
     from dspark_obs.engine.host_tables import host_table_dir, host_table_stem, this_host
     from dspark_obs.engine.profile import parse_batch_sizes, parse_fractions, profile_steps
     from dspark_obs.engine.profile_report import (
         evaluate_fits,
         metrics_rows,
+        poor_fit_warning,
         save_profile,
         save_samples,
     )
@@ -392,9 +393,12 @@ def profile_command(
         else:
             out_dir = Path("runtime/cost_tables") if out_dir is None else out_dir
             stem = name or ("smollm2_h200" if cuda else f"smollm2_{device}")
-        target, tok = load_smollm2(device=device, dtype=torch.bfloat16 if cuda else torch.float32)
         path = drafter or DEFAULT_DRAFTER
-        if (path / "config.json").is_file():
+        missing = missing_checkpoint_files(path)
+        if len(missing) == 1:  # half a checkpoint is a mistake, not "no drafter"
+            raise ValueError(f"drafter checkpoint {path} is incomplete: missing {missing[0]}")
+        target, tok = load_smollm2(device=device, dtype=torch.bfloat16 if cuda else torch.float32)
+        if not missing:
             model, drafter_name = Drafter.load(path, target), str(path)
         else:
             console.print(
@@ -473,6 +477,8 @@ def profile_command(
         grid.add_row(*row)
     console.print(grid)
     console.print(f"{len(samples)} steps in {len(report.cells)} cells")
+    if (warning := poor_fit_warning(report)) is not None:
+        console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
     if paths["plot"] is None:
         console.print("[yellow]matplotlib is not installed: no fit plot written[/yellow]")
     for key in ("additive", "steps_per_sec", "report", "plot"):

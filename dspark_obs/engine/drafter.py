@@ -628,3 +628,11 @@ def _target_lm_head(target: Any, h: Tensor) -> Tensor:
     w = getattr(target, "dtype", h.dtype)
     out = target.lm_head(h.reshape(-1, h.shape[-1]).to(w))
     return out.reshape(*lead, out.shape[-1])  # type: ignore[no-any-return]
+
+
+def missing_checkpoint_files(path: str | Path) -> list[Path]:
+    """The files a saved drafter needs (config, weights) that ``path`` lacks, so a caller can
+    say which one is missing instead of failing deep inside the loader."""
+    p = Path(path)
+    return [p / name for name in (CONFIG_FILE, WEIGHTS_FILE) if not (p / name).is_file()]
+

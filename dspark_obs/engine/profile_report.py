@@ -298,5 +298,24 @@ def metrics_rows(report: FitReport) -> list[tuple[str, str, str, str, str, str]]
     return rows
 
 
+POOR_FIT_R2 = 0.5
+"""Below this R^2 (the saved additive table over every cell) the step times were mostly
+noise: seen at 0.14 on a 2-core CPU while a test suite ran beside the profile, 0.77 idle."""
+
+
+def poor_fit_warning(report: FitReport) -> str | None:
+    """One line for the user when the saved table explains little of the timed steps (a busy
+    machine, or too few steps per cell), since a run would plan with it; None otherwise."""
+    fit = report.fits.get("additive")
+    r2 = None if fit is None else fit.all_cells["r2"]
+    if r2 is None or r2 >= POOR_FIT_R2:
+        return None
+    return (
+        f"the saved table explains little of the timed steps (R^2 {r2:.2f} < {POOR_FIT_R2}): "
+        "was something else running on this machine? Profile again when it is idle, or "
+        "with more --new-tokens per cell."
+    )
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)

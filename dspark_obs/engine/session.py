@@ -76,14 +76,16 @@ def load_models(
     if dtype is None:
         dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     from dspark_obs.engine.draft_vocab import resolve_draft_vocab, shipped_draft_vocab
-    from dspark_obs.engine.drafter import Drafter
+    from dspark_obs.engine.drafter import Drafter, missing_checkpoint_files
     from dspark_obs.engine.weights import load_smollm2, stop_token_ids
 
     n_vocab = resolve_draft_vocab(draft_vocab, str(device))  # checks the size
 
     path = Path(drafter_path) if drafter_path else DEFAULT_DRAFTER
-    if not (path / "config.json").is_file():
-        raise EngineError(f"no drafter checkpoint at {path} (expected {path / 'config.json'})")
+    missing = missing_checkpoint_files(path)
+    if missing:
+        names = ", ".join(str(m) for m in missing)
+        raise EngineError(f"no drafter checkpoint at {path}: missing {names}")
     target, tokenizer = load_smollm2(device=device, dtype=dtype)
     drafter = Drafter.load(path, target).to(device=device, dtype=dtype).eval()
     if sts is not None:
