@@ -635,4 +635,3 @@ def missing_checkpoint_files(path: str | Path) -> list[Path]:
     say which one is missing instead of failing deep inside the loader."""
     p = Path(path)
     return [p / name for name in (CONFIG_FILE, WEIGHTS_FILE) if not (p / name).is_file()]
-
