@@ -259,6 +259,10 @@ class AdditiveCostTable(CostTable):
     m_probes: tuple[int, ...]
     theta_seconds: tuple[float, ...]
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    # the step-time curve per (bs, budgets) the planner asks for every step: see objective
+    _curves: dict[tuple[int, int], np.ndarray] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     KEYS: ClassVar[tuple[str, ...]] = (
         "bias_seconds",
@@ -328,10 +332,28 @@ class AdditiveCostTable(CostTable):
     def step_seconds(self, bs: int, budget: int) -> float:
         return float(self.predicted_step_seconds(bs, np.array([budget]))[0])
 
+    def _step_curve(self, bs: int, n: int) -> np.ndarray:
+        """``predicted_step_seconds(bs, 0..n-1)``, kept: the planner asks for the same curve at
+        every step of a batch size (36 us of its 90 at batch 256 on a 2-core CPU). Read-only,
+        so no caller can change what the next step reads."""
+        key = (int(bs), int(n))
+        curve = self._curves.get(key)
+        if curve is None:
+            if len(self._curves) >= _MAX_CURVES:
+                self._curves.clear()
+            curve = self.predicted_step_seconds(bs, np.arange(n))
+            curve.flags.writeable = False
+            self._curves[key] = curve
+        return curve
+
     def objective(self, bs: int, tau: np.ndarray) -> np.ndarray:
-        step = self.predicted_step_seconds(bs, np.arange(len(tau)))
+        step = self._step_curve(bs, len(tau))
         with np.errstate(divide="ignore", invalid="ignore"):
             return tau / step
+
+
+_MAX_CURVES = 1024
+"""Curves an additive table keeps (one per batch size and candidate count seen)."""
 
 
 def _min_step(

@@ -302,3 +302,24 @@ def test_huge_integers_and_nesting_are_clear_errors(tmp_path: Path) -> None:
     bad.write_bytes(b'{"bias_seconds": \xff\xfe}')
     with pytest.raises(CostTableError, match=r"bin\.json: not UTF-8"):
         CostTable.load(bad)
+
+
+def test_additive_objective_keeps_one_read_only_curve_per_batch_size_and_matches_uncached() -> None:
+    """The planner's curve is kept per (bs, length); what it returns equals tau / T computed
+    afresh, and the kept curve cannot be written through."""
+    table = CostTable.from_dict(
+        {"bias_seconds": 0.001, "bs_probes": [1, 8], "alpha_seconds": [0.0, 0.002],
+         "m_probes": [1, 16, 64], "theta_seconds": [0.0, 0.003, 0.02]}
+    )  # fmt: skip
+    tau = 4 + np.cumsum(np.linspace(1.0, 0.1, 21))
+    first = table.objective(4, tau)
+    again = table.objective(4, tau * 2)
+    fresh = tau / table.predicted_step_seconds(4, np.arange(len(tau)))
+    assert np.array_equal(first, fresh)
+    assert np.array_equal(again, (tau * 2) / table.predicted_step_seconds(4, np.arange(21)))
+    curve = table._step_curve(4, 21)
+    assert curve is table._step_curve(4, 21)
+    with pytest.raises(ValueError):
+        curve[0] = 1.0
+    assert not np.array_equal(table.objective(5, tau), first)  # another batch, another curve
+    assert table == CostTable.from_dict(table.to_dict())  # the cache is not part of equality
