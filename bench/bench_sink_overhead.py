@@ -16,7 +16,12 @@ queue of ``max(--requests, --queue-factor * batch)`` requests in every variant:
                   without threads): the engine's record worker thread, no thread of its own;
 * ``all-inline`` (``--inline``): store + Prometheus + OpenTelemetry, all three written on the
                   record worker's thread (no FanOut thread; the telemetry sinks still fold
-                  on their own fold threads): the layout ``dspark-obs run`` uses.
+                  on their own fold threads): the layout ``dspark-obs run`` used up to
+                  2026-12-07;
+* ``all-process`` (``--inline``): the store on the record worker's thread, Prometheus and
+                  OpenTelemetry in a :class:`TelemetryProcess` (a child interpreter fed
+                  over a pipe, serving /metrics itself): the layout ``dspark-obs run`` uses.
+                  Its child's CPU is not in the "process CPU" column.
 
 Sinks get their own threads (``FanOut(threaded=True)``, queues of ``--queue-batches``)
 unless the variant says inline; ``--variants`` picks a subset (``none`` always runs). One
@@ -73,13 +78,15 @@ from dspark_obs.engine.types import EngineConfig, GenRequest
 from dspark_obs.fanout import FanOut, RecordSink
 from dspark_obs.sinks import OtelSink, PrometheusSink
 from dspark_obs.sinks.serve import start_http
+from dspark_obs.sinks.telemetry import TelemetryProcess
 from dspark_obs.store import Store
 from dspark_obs.testing.otlp_drop import start_otlp_drop
 from dspark_obs.testing.tiny_models import tiny_models
 from dspark_obs.workloads import load_traffic, mixed_traffic
 
 VARIANTS = ("none", "prometheus", "store", "all")
-INLINE = ("store-inline", "all-inline")  # FanOut without threads: sinks on the record worker
+INLINE = ("store-inline", "all-inline", "all-process")  # FanOut without threads: sinks on the
+# record worker (all-process: Prometheus and OTel in a child process)
 # the --tiny models: a 64-token vocabulary, the drafter config's own Markov rank and window
 TINY = dict(vocab_size=64, max_position=1024, markov_rank=None, context_window=None,
             drafter_name="tiny")  # fmt: skip
@@ -116,19 +123,19 @@ class LiveSinks:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._servers: list[Any] = []
-        if variant in ("store", "all", "store-inline", "all-inline"):
+        if variant in ("store", "all", "store-inline", "all-inline", "all-process"):
             self.sinks.append(Store(store_dir))
+        if variant == "all-process":
+            child = TelemetryProcess(0, otlp_url, export_interval_s=args.export_interval)
+            self.sinks.append(child)
+            self._scraped(child.url, args.scrape_interval)
         if variant in ("prometheus", "all", "all-inline"):
             prom = PrometheusSink()
             server = start_http(prom.registry, 0)
             self._servers.append(server)
             self.sinks.append(prom)
 
-            def scrape() -> None:  # Prometheus' side: a GET /metrics every scrape interval
-                while not self._stop.wait(args.scrape_interval):
-                    urllib.request.urlopen(f"{server.url}/metrics", timeout=5).read()
-
-            self._threads.append(threading.Thread(target=scrape, daemon=True))
+            self._scraped(server.url, args.scrape_interval)
             if variant in ("all", "all-inline"):
                 self.sinks.append(
                     OtelSink(otlp_url, aggregator=prom.aggregator,
@@ -136,6 +143,18 @@ class LiveSinks:
                 )  # fmt: skip
         for t in self._threads:
             t.start()
+
+    def _scraped(self, url: str, interval: float) -> None:
+        """Prometheus' side: a GET /metrics every scrape interval, from a thread here."""
+
+        def scrape() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    urllib.request.urlopen(f"{url}/metrics", timeout=5).read()
+                except OSError:  # the run is closing: its server went first
+                    return
+
+        self._threads.append(threading.Thread(target=scrape, daemon=True))
 
     def stop(self) -> None:
         self._stop.set()

@@ -283,8 +283,12 @@ class FanOut:
         return self.stats()
 
     def stats(self) -> list[LaneStats]:
-        """Per sink counters in sink order: its queue's (threaded) or its inline writes'."""
-        return [lane.stats for lane in self._lanes] if self._lanes else list(self._inline)
+        """Per sink counters in sink order: its queue's (threaded) or its inline writes',
+        with the queue of a sink that keeps one of its own (``queue_stats``: a fold thread,
+        a telemetry process) in place of the capacity 0 of a plain inline write."""
+        if self._lanes:
+            return [lane.stats for lane in self._lanes]
+        return [_with_own_queue(s, sink) for s, sink in zip(self._inline, self.sinks, strict=True)]
 
     def summary(self) -> str:
         """The backpressure report of a run, one line per sink ("" without sinks)."""
@@ -321,6 +325,22 @@ class FanOut:
                     f"sink {s.name} failed: {type(lane.error).__name__}: {lane.error} "
                     f"({s.failed} batch(es) not written to it; {s.done} were)"
                 ) from lane.error
+
+
+def _with_own_queue(written: LaneStats, sink: RecordSink) -> LaneStats:
+    """An inline sink's counters, with its own queue's depth and backpressure if it has one."""
+    own = getattr(sink, "queue_stats", None)
+    if not isinstance(own, LaneStats):
+        return written
+    return replace(
+        written,
+        capacity=own.capacity,
+        depth=own.depth,
+        max_depth=own.max_depth,
+        blocked=own.blocked,
+        blocked_seconds=own.blocked_seconds,
+        failed=written.failed + own.failed,
+    )
 
 
 def _deliver(sink: RecordSink) -> Callable[[Any, Any], None]:

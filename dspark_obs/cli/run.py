@@ -171,9 +171,9 @@ def run_command(
         reqs = traffic_to_requests(traffic, models.tokenizer)
         sink = Store(store)
         from dspark_obs.sinks.backpressure import expose_backpressure
-        from dspark_obs.sinks.serve import telemetry_sinks
+        from dspark_obs.sinks.telemetry import telemetry_sinks
 
-        live = telemetry_sinks(metrics_port, otlp_endpoint)
+        live = telemetry_sinks(metrics_port, otlp_endpoint, process=True)  # own interpreter lock
         with Progress(
             TextColumn("{task.description}"),
             BarColumn(),
@@ -239,6 +239,12 @@ def run_command(
     if fan.errors:
         console.print(
             f"[yellow]{len(fan.errors)} records rejected[/yellow]; first: {fan.errors[0]}"
+        )
+    telemetry_errors = [e for s in live for e in getattr(s, "errors", [])]
+    if telemetry_errors:  # the store has every row; only the live view missed some
+        console.print(
+            f"[yellow]live telemetry: {len(telemetry_errors)} error(s)[/yellow]; "
+            f"first: {telemetry_errors[0]}"
         )
     typer.echo(rid)
 

@@ -3,7 +3,8 @@
 * :class:`PrometheusSink` - counters and histograms of :mod:`dspark_obs.sinks.catalog`
   (:data:`METRICS`, one declaration per metric, read by Grafana's build and the rules);
 * :class:`OtelSink` - GenAI latency histograms, the same counters, one span per request;
-* :func:`telemetry_sinks` - both for an in-process run (serving /metrics on a port);
+* :func:`telemetry_sinks` - both for a run (serving /metrics on a port), in the run's
+  process or in a :class:`TelemetryProcess` of their own;
 * :class:`StoreFollower` / :func:`replay` - ``dspark-obs serve``: follow a store or replay a run;
 * :class:`Aggregator` - the running totals every sink renders (:mod:`.stats`).
 
@@ -13,8 +14,9 @@ Sinks never import the engine (tests/test_house.py checks it).
 from dspark_obs.sinks.catalog import METRICS, Metric
 from dspark_obs.sinks.otel import OtelSink
 from dspark_obs.sinks.prometheus import PrometheusSink
-from dspark_obs.sinks.serve import MetricsServer, StoreFollower, replay, telemetry_sinks
+from dspark_obs.sinks.serve import MetricsServer, StoreFollower, replay
 from dspark_obs.sinks.stats import Aggregator, Totals
+from dspark_obs.sinks.telemetry import TelemetryProcess, telemetry_sinks
 
 __all__ = [
     "METRICS",
@@ -24,6 +26,7 @@ __all__ = [
     "OtelSink",
     "PrometheusSink",
     "StoreFollower",
+    "TelemetryProcess",
     "Totals",
     "replay",
     "telemetry_sinks",

@@ -55,12 +55,18 @@ class LaneCollector(Collector):
 
 def expose_backpressure(fan: FanOut, sinks: Iterable[object]) -> int:
     """Register ``LaneCollector(fan.stats)`` in the registry of every sink that serves one
-    (a :class:`~dspark_obs.sinks.prometheus.PrometheusSink`), so the run's /metrics carries its
-    own backpressure live; returns how many registries got it."""
+    (a :class:`~dspark_obs.sinks.prometheus.PrometheusSink`), or hand ``fan.stats`` to a
+    sink that serves /metrics from another process (``follow_backpressure``: a
+    :class:`~dspark_obs.sinks.telemetry.TelemetryProcess`), so the run's /metrics carries its
+    own backpressure live; returns how many sinks got it."""
     registered = 0
     for sink in sinks:
         registry = getattr(sink, "registry", None)
+        follow = getattr(sink, "follow_backpressure", None)
         if registry is not None:
             registry.register(LaneCollector(fan.stats))
+            registered += 1
+        elif follow is not None:
+            follow(fan.stats)
             registered += 1
     return registered

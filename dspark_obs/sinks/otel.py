@@ -41,6 +41,7 @@ import pyarrow as pa
 from opentelemetry.metrics import CallbackOptions, Histogram, MeterProvider, Observation
 from opentelemetry.trace import SpanKind, TracerProvider
 
+from dspark_obs.fanout import LaneStats
 from dspark_obs.sinks._worker import FoldWorker
 from dspark_obs.sinks.catalog import (
     DEFAULT_MAX_GAMMA,
@@ -188,6 +189,11 @@ class OtelSink:
     @property
     def errors(self) -> list[str]:
         return self._worker.errors
+
+    @property
+    def queue_stats(self) -> LaneStats | None:
+        """The fold queue's counters; None when folding inline or reading a shared total."""
+        return None if self._shared else self._worker.stats
 
     def write(self, table: str, batch: pa.Table) -> None:
         if not self._shared:

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dspark_obs.fanout import LaneStats
 from dspark_obs.sinks._worker import FoldWorker
 from dspark_obs.sinks.catalog import DEFAULT_MAX_GAMMA, METRICS
 from dspark_obs.sinks.stats import Aggregator, Totals
@@ -139,6 +140,11 @@ class PrometheusSink:
     def fold_cpu_seconds(self) -> float:
         """CPU time the worker spent folding batches into the totals."""
         return self._worker.cpu_seconds
+
+    @property
+    def queue_stats(self) -> LaneStats | None:
+        """The fold queue's counters (backpressure included); None when folding inline."""
+        return self._worker.stats
 
     @property
     def errors(self) -> list[str]:

@@ -2,8 +2,8 @@
 
 Three feeds, one aggregation (:class:`~dspark_obs.sinks.stats.Aggregator`):
 
-* in-process: :func:`telemetry_sinks` gives the sinks ``dspark-obs run --metrics-port``
-  adds to its FanOut;
+* a run's own: :func:`~dspark_obs.sinks.telemetry.telemetry_sinks` gives the sinks
+  ``dspark-obs run --metrics-port`` adds to its FanOut;
 * :class:`StoreFollower`: polls a store directory and folds every row it has not seen yet,
   whoever wrote it. On start it reads everything the store holds, so counters resume from
   the store's totals after a restart of serve instead of going back to zero;
@@ -37,10 +37,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from dspark_obs import schema
 from dspark_obs.fanout import RecordSink
-from dspark_obs.sinks.stats import Aggregator
 from dspark_obs.store import layout, segments
 
-__all__ = ["MetricsServer", "StoreFollower", "replay", "start_http", "telemetry_sinks"]
+__all__ = ["MetricsServer", "StoreFollower", "replay", "start_http"]
 
 TABLE_ORDER = ("runs", "steps", "req_steps", "requests")  # labels need the runs row first
 
@@ -101,33 +100,6 @@ def start_http(
 ) -> MetricsServer:
     """Serve ``registry`` at http://host:port/metrics (port 0: a free port, see ``.port``)."""
     return MetricsServer(registry, port, host, health)
-
-
-def telemetry_sinks(
-    metrics_port: int | None,
-    otlp_endpoint: str | None,
-    host: str = "127.0.0.1",
-) -> list[RecordSink]:
-    """The live sinks for an in-process run: Prometheus (serving /metrics on ``metrics_port``)
-    and OpenTelemetry (when ``otlp_endpoint`` or an OTEL_EXPORTER_OTLP_*ENDPOINT variable is
-    set); both read one aggregation. Empty when neither is asked for."""
-    from dspark_obs.sinks.otel import OtelSink, otlp_configured
-    from dspark_obs.sinks.prometheus import PrometheusSink
-
-    sinks: list[RecordSink] = []
-    aggregator = Aggregator()
-    if metrics_port is not None:
-        prom = PrometheusSink(aggregator=aggregator)
-        try:
-            prom.server = start_http(prom.registry, metrics_port, host)  # type: ignore[attr-defined]
-        except OSError as exc:
-            prom.close()
-            raise ValueError(f"cannot serve /metrics on {host}:{metrics_port}: {exc}") from exc
-        sinks.append(prom)
-    if otlp_configured(otlp_endpoint):
-        shared = aggregator if sinks else None
-        sinks.append(OtelSink(otlp_endpoint, aggregator=shared))
-    return sinks
 
 
 # ---------------------------------------------------------------- reading a store
