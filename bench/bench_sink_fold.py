@@ -1,0 +1,130 @@
+"""Where the live telemetry sinks spend their CPU: each table's fold and the estimator pass.
+
+A tiny random model (64-token vocabulary) runs compact with a trimming cost table at each
+``--batch``; its record batches (handed over every 32 steps, as ``dspark-obs run`` does) are
+then folded into a Prometheus sink (shared with an OTel sink over in-memory exporters) on
+this thread, and thread CPU time is summed per table, with the block-accept estimator pass
+over the finished requests (``finalize``) apart. That Python holds the interpreter lock the
+whole time, so in the engine's process every millisecond of it is one the decode thread may
+wait for (README, "Records and sinks off the decode thread"). Medians of ``--reps``.
+
+    python bench/bench_sink_fold.py --batch 1,16,64 --reps 3 --out runtime/bench/sink_fold_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from dspark_obs.engine.loop import Engine
+from dspark_obs.engine.types import EngineConfig, GenRequest
+from dspark_obs.fanout import FanOut, MemorySink
+from dspark_obs.sinks import OtelSink, PrometheusSink
+from dspark_obs.testing.tiny_models import tiny_models, trimming_table
+
+TABLES = ("runs", "steps", "req_steps", "requests")
+
+
+def records(bs: int, new_tokens: int) -> tuple[MemorySink, int]:
+    """One compact run's record batches at batch ``bs`` (2 requests per slot)."""
+    models = tiny_models(vocab_size=64, max_position=1024)
+    config = EngineConfig(mode="compact", gamma=5, max_batch=bs, cost_table=trimming_table())
+    engine = Engine(models.target, models.drafter, config, models.stop_ids)
+    rng = np.random.default_rng(0)
+    reqs = [
+        GenRequest(rid=f"r{i}", prompt_ids=rng.integers(0, 64, size=12).tolist(),
+                   max_new_tokens=new_tokens, workload="chat", ignore_eos=True)
+        for i in range(2 * bs)
+    ]  # fmt: skip
+    mem = MemorySink()
+    fan = FanOut([mem])
+    fan.emit("runs", [engine.run_row("b", model="tiny", drafter="tiny", workload="chat",
+                                     temperature=0.0, seed=0)])  # fmt: skip
+    result = engine.run(reqs, fan.emit, "b")
+    fan.close()
+    return mem, result.steps
+
+
+def fold_once(mem: MemorySink) -> dict[str, float]:
+    """Thread CPU seconds per table, and the estimator pass (``finalize``), of one fold."""
+    prom = PrometheusSink(background=False)
+    spans = TracerProvider()
+    spans.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
+    OtelSink(aggregator=prom.aggregator, tracer_provider=spans,
+             meter_provider=MeterProvider(metric_readers=[InMemoryMetricReader()]))  # fmt: skip
+    prom.aggregator.finalize_interval_s = float("inf")  # one estimator pass, at the end
+    spent: Counter[str] = Counter()
+    batches: list[tuple[str, pa.Table]] = [(t, b) for t in TABLES for b in mem.batches[t]]
+    for table, batch in sorted(batches, key=lambda tb: tb[0] != "runs"):
+        t0 = time.thread_time()
+        prom.write(table, batch)
+        spent[table] += time.thread_time() - t0
+    t0 = time.thread_time()
+    prom.flush()
+    spent["finalize"] = time.thread_time() - t0
+    assert not prom.errors, prom.errors
+    return dict(spent)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--batch", default="1,16,64", help="comma list of batch sizes")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None, help="JSON path (a .md goes beside it)")
+    args = ap.parse_args()
+    rows = []
+    for bs in (int(b) for b in args.batch.split(",")):
+        mem, steps = records(bs, args.new_tokens)
+        reps = [fold_once(mem) for _ in range(args.reps)]
+        med = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
+        finished = sum(b.num_rows for b in mem.batches["requests"])
+        rows.append({
+            "batch": bs, "steps": steps, "requests": finished,
+            "req_steps_rows": sum(b.num_rows for b in mem.batches["req_steps"]),
+            "seconds": med, "fold_us_per_step": 1e6 * (sum(med.values()) - med["finalize"]) / steps,
+            "estimator_ms_per_request": 1e3 * med["finalize"] / finished,
+        })  # fmt: skip
+        print(f"batch {bs}: fold {rows[-1]['fold_us_per_step']:.0f} us/step, estimator "
+              f"{rows[-1]['estimator_ms_per_request']:.2f} ms/request", file=sys.stderr)  # fmt: skip
+    command = "python " + shlex.join(sys.argv)
+    lines = [
+        f"Telemetry fold CPU, tiny model, compact, {args.new_tokens} new tokens, "
+        f"{platform.processor() or platform.machine()}, medians of {args.reps}",
+        "",
+        "| batch | steps | finished requests | fold us/step (all tables) | steps ms | req_steps ms "
+        "| requests ms | estimator pass ms | estimator ms/request |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        s = r["seconds"]
+        lines.append(
+            f"| {r['batch']} | {r['steps']} | {r['requests']} | {r['fold_us_per_step']:.0f} "
+            f"| {1e3 * s['steps']:.1f} | {1e3 * s['req_steps']:.1f} | {1e3 * s['requests']:.1f} "
+            f"| {1e3 * s['finalize']:.1f} | {r['estimator_ms_per_request']:.2f} |"
+        )
+    lines += ["", f"`{command}`"]
+    print("\n".join(lines))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"command": command, "rows": rows}, indent=1))
+        args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
