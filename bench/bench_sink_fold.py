@@ -100,8 +100,9 @@ def main() -> None:
             "seconds": med, "fold_us_per_step": 1e6 * (sum(med.values()) - med["finalize"]) / steps,
             "estimator_ms_per_request": 1e3 * med["finalize"] / finished,
         })  # fmt: skip
-        print(f"batch {bs}: fold {rows[-1]['fold_us_per_step']:.0f} us/step, estimator "
-              f"{rows[-1]['estimator_ms_per_request']:.2f} ms/request", file=sys.stderr)  # fmt: skip
+        last = rows[-1]
+        print(f"batch {bs}: fold {last['fold_us_per_step']:.0f} us/step, estimator "
+              f"{last['estimator_ms_per_request']:.2f} ms/request", file=sys.stderr)  # fmt: skip
     command = "python " + shlex.join(sys.argv)
     lines = [
         f"Telemetry fold CPU, tiny model, compact, {args.new_tokens} new tokens, "

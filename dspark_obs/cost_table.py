@@ -130,6 +130,26 @@ class CostTable(ABC):
     def predicted_step_seconds(self, bs: int, budgets: np.ndarray) -> np.ndarray:
         """Vectorized :meth:`step_seconds` over an int array of budgets."""
 
+    @abstractmethod
+    def _curve(self, bs: int, n: int) -> np.ndarray:
+        """The kind's own per-budget curve for budgets 0..n-1 (step seconds, or steps/sec)."""
+
+    _curves: dict[tuple[int, int], np.ndarray]
+
+    def _kept_curve(self, bs: int, n: int) -> np.ndarray:
+        """:meth:`_curve`, kept per (bs, n): the planner asks for the same curve at every step
+        of a batch size (most of :meth:`objective`'s time at batch 256). Read-only, so no
+        caller can change what the next step reads."""
+        key = (int(bs), int(n))
+        curve = self._curves.get(key)
+        if curve is None:
+            if len(self._curves) >= _MAX_CURVES:
+                self._curves.clear()
+            curve = self._curve(bs, n)
+            curve.flags.writeable = False
+            self._curves[key] = curve
+        return curve
+
     extra: Mapping[str, Any]
 
     @property
@@ -200,6 +220,9 @@ class StepsPerSecTable(CostTable):
     sample_steps_per_sec: tuple[float, ...]
     max_batch_tokens: int
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    _curves: dict[tuple[int, int], np.ndarray] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     KEYS: ClassVar[tuple[str, ...]] = (
         "sample_batch_tokens",
@@ -245,8 +268,11 @@ class StepsPerSecTable(CostTable):
     def predicted_step_seconds(self, bs: int, budgets: np.ndarray) -> np.ndarray:
         return 1.0 / self._sps_many(bs + np.asarray(budgets, dtype=np.int64))
 
+    def _curve(self, bs: int, n: int) -> np.ndarray:
+        return self._sps_many(bs + np.arange(n, dtype=np.int64))
+
     def objective(self, bs: int, tau: np.ndarray) -> np.ndarray:
-        return tau * self._sps_many(bs + np.arange(len(tau), dtype=np.int64))
+        return tau * self._kept_curve(bs, len(tau))
 
 
 @dataclass(frozen=True)
@@ -259,7 +285,6 @@ class AdditiveCostTable(CostTable):
     m_probes: tuple[int, ...]
     theta_seconds: tuple[float, ...]
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False)
-    # the step-time curve per (bs, budgets) the planner asks for every step: see objective
     _curves: dict[tuple[int, int], np.ndarray] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
@@ -332,28 +357,17 @@ class AdditiveCostTable(CostTable):
     def step_seconds(self, bs: int, budget: int) -> float:
         return float(self.predicted_step_seconds(bs, np.array([budget]))[0])
 
-    def _step_curve(self, bs: int, n: int) -> np.ndarray:
-        """``predicted_step_seconds(bs, 0..n-1)``, kept: the planner asks for the same curve at
-        every step of a batch size (36 us of its 90 at batch 256 on a 2-core CPU). Read-only,
-        so no caller can change what the next step reads."""
-        key = (int(bs), int(n))
-        curve = self._curves.get(key)
-        if curve is None:
-            if len(self._curves) >= _MAX_CURVES:
-                self._curves.clear()
-            curve = self.predicted_step_seconds(bs, np.arange(n))
-            curve.flags.writeable = False
-            self._curves[key] = curve
-        return curve
+    def _curve(self, bs: int, n: int) -> np.ndarray:
+        return self.predicted_step_seconds(bs, np.arange(n))
 
     def objective(self, bs: int, tau: np.ndarray) -> np.ndarray:
-        step = self._step_curve(bs, len(tau))
+        step = self._kept_curve(bs, len(tau))
         with np.errstate(divide="ignore", invalid="ignore"):
             return tau / step
 
 
 _MAX_CURVES = 1024
-"""Curves an additive table keeps (one per batch size and candidate count seen)."""
+"""Curves a table keeps (one per batch size and candidate count seen)."""
 
 
 def _min_step(

@@ -304,21 +304,36 @@ def test_huge_integers_and_nesting_are_clear_errors(tmp_path: Path) -> None:
         CostTable.load(bad)
 
 
-def test_additive_objective_keeps_one_read_only_curve_per_batch_size_and_matches_uncached() -> None:
-    """The planner's curve is kept per (bs, length); what it returns equals tau / T computed
-    afresh, and the kept curve cannot be written through."""
-    table = CostTable.from_dict(
-        {"bias_seconds": 0.001, "bs_probes": [1, 8], "alpha_seconds": [0.0, 0.002],
-         "m_probes": [1, 16, 64], "theta_seconds": [0.0, 0.003, 0.02]}
-    )  # fmt: skip
+@pytest.mark.parametrize(
+    "data, fresh",
+    [
+        (
+            {"bias_seconds": 0.001, "bs_probes": [1, 8], "alpha_seconds": [0.0, 0.002],
+             "m_probes": [1, 16, 64], "theta_seconds": [0.0, 0.003, 0.02]},
+            lambda t, bs, tau: tau / t.predicted_step_seconds(bs, np.arange(len(tau))),
+        ),
+        (
+            {"sample_batch_tokens": [1, 8, 24], "sample_steps_per_sec": [300.0, 250.0, 90.0],
+             "max_batch_tokens": 64},
+            lambda t, bs, tau: tau * np.array([t.steps_per_sec(bs + b) for b in range(len(tau))]),
+        ),
+    ],
+    ids=["additive", "steps-per-sec"],
+)  # fmt: skip
+def test_objective_keeps_one_read_only_curve_per_batch_size_and_matches_uncached(
+    data: dict, fresh
+) -> None:
+    """The planner's curve is kept per (bs, length) for either kind; what ``objective``
+    returns equals the kind's formula computed afresh, and the kept curve cannot be
+    written through."""
+    table = CostTable.from_dict(data)
     tau = 4 + np.cumsum(np.linspace(1.0, 0.1, 21))
     first = table.objective(4, tau)
     again = table.objective(4, tau * 2)
-    fresh = tau / table.predicted_step_seconds(4, np.arange(len(tau)))
-    assert np.array_equal(first, fresh)
-    assert np.array_equal(again, (tau * 2) / table.predicted_step_seconds(4, np.arange(21)))
-    curve = table._step_curve(4, 21)
-    assert curve is table._step_curve(4, 21)
+    assert np.array_equal(first, fresh(table, 4, tau))
+    assert np.array_equal(again, fresh(table, 4, tau * 2))
+    curve = table._kept_curve(4, 21)
+    assert curve is table._kept_curve(4, 21)
     with pytest.raises(ValueError):
         curve[0] = 1.0
     assert not np.array_equal(table.objective(5, tau), first)  # another batch, another curve
