@@ -86,7 +86,10 @@ def run_command(
     ] = "all",
     metrics_port: Annotated[
         int | None,
-        typer.Option(help="Expose the run live at http://127.0.0.1:PORT/metrics (Prometheus)."),
+        typer.Option(
+            help="Expose the run live at http://127.0.0.1:PORT/metrics (Prometheus), served by "
+            "a child process (with the OTLP export) so its work never slows the decode loop."
+        ),
     ] = None,
     otlp_endpoint: Annotated[
         str | None,
