@@ -1,14 +1,22 @@
-"""Where the live telemetry sinks spend their CPU: each table's fold and the estimator pass.
+"""Where the sinks spend their CPU: each table's telemetry fold, the estimator pass, and the
+store's write, per record hand-over size.
 
 A tiny random model (64-token vocabulary) runs compact with a trimming cost table at each
-``--batch``; its record batches (handed over every 32 steps, as ``dspark-obs run`` does) are
-then folded into a Prometheus sink (shared with an OTel sink over in-memory exporters) on
-this thread, and thread CPU time is summed per table, with the block-accept estimator pass
-over the finished requests (``finalize``) apart. That Python holds the interpreter lock the
-whole time, so in the engine's process every millisecond of it is one the decode thread may
-wait for (README, "Records and sinks off the decode thread"). Medians of ``--reps``.
+``--batch``, handing its records over every ``--flush-every`` steps (each value in turn; the
+one-second trigger off). Its record batches are then, on this thread:
 
-    python bench/bench_sink_fold.py --batch 1,16,64 --reps 3 --out runtime/bench/sink_fold_cpu.json
+* folded into a Prometheus sink (shared with an OTel sink over in-memory exporters): thread
+  CPU per table, with the block-accept estimator pass over the finished requests
+  (``finalize``) apart;
+* emitted through a FanOut into a fresh store: validation plus the store's write, which the
+  engine's record worker pays per hand-over whatever its size.
+
+Most of it is Python holding the interpreter lock, so in the engine's process every
+millisecond of it is one the decode thread may wait for (README, "Records and sinks off the
+decode thread"). Medians of ``--reps``.
+
+    python bench/bench_sink_fold.py --batch 1,16,64 --flush-every 32,256 --reps 3 \
+        --out runtime/bench/sink_fold_cpu.json
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import platform
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -35,15 +44,17 @@ from dspark_obs.engine.loop import Engine
 from dspark_obs.engine.types import EngineConfig, GenRequest
 from dspark_obs.fanout import FanOut, MemorySink
 from dspark_obs.sinks import OtelSink, PrometheusSink
+from dspark_obs.store import Store
 from dspark_obs.testing.tiny_models import tiny_models, trimming_table
 
 TABLES = ("runs", "steps", "req_steps", "requests")
 
 
-def records(bs: int, new_tokens: int) -> tuple[MemorySink, int]:
+def records(bs: int, new_tokens: int, flush_every: int) -> tuple[MemorySink, int]:
     """One compact run's record batches at batch ``bs`` (2 requests per slot)."""
     models = tiny_models(vocab_size=64, max_position=1024)
-    config = EngineConfig(mode="compact", gamma=5, max_batch=bs, cost_table=trimming_table())
+    config = EngineConfig(mode="compact", gamma=5, max_batch=bs, cost_table=trimming_table(),
+                          flush_every=flush_every, flush_seconds=1e9)  # fmt: skip
     engine = Engine(models.target, models.drafter, config, models.stop_ids)
     rng = np.random.default_rng(0)
     reqs = [
@@ -81,43 +92,66 @@ def fold_once(mem: MemorySink) -> dict[str, float]:
     return dict(spent)
 
 
+def store_once(mem: MemorySink) -> float:
+    """Thread CPU seconds of validating and storing every batch but the runs row."""
+    with tempfile.TemporaryDirectory() as tmp:
+        fan = FanOut([Store(Path(tmp) / "store")])
+        fan.emit("runs", mem.batches["runs"][0])  # creates the store: not per hand-over
+        t0 = time.thread_time()
+        for table in TABLES[1:]:
+            for batch in mem.batches[table]:
+                fan.emit(table, batch)
+        spent = time.thread_time() - t0
+        fan.close()
+    return spent
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--batch", default="1,16,64", help="comma list of batch sizes")
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--flush-every", default="32,256", help="comma list: steps per hand-over")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None, help="JSON path (a .md goes beside it)")
     args = ap.parse_args()
     rows = []
     for bs in (int(b) for b in args.batch.split(",")):
-        mem, steps = records(bs, args.new_tokens)
-        reps = [fold_once(mem) for _ in range(args.reps)]
-        med = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
-        finished = sum(b.num_rows for b in mem.batches["requests"])
-        rows.append({
-            "batch": bs, "steps": steps, "requests": finished,
-            "req_steps_rows": sum(b.num_rows for b in mem.batches["req_steps"]),
-            "seconds": med, "fold_us_per_step": 1e6 * (sum(med.values()) - med["finalize"]) / steps,
-            "estimator_ms_per_request": 1e3 * med["finalize"] / finished,
-        })  # fmt: skip
-        last = rows[-1]
-        print(f"batch {bs}: fold {last['fold_us_per_step']:.0f} us/step, estimator "
-              f"{last['estimator_ms_per_request']:.2f} ms/request", file=sys.stderr)  # fmt: skip
+        for every in (int(f) for f in args.flush_every.split(",")):
+            mem, steps = records(bs, args.new_tokens, every)
+            reps = [fold_once(mem) for _ in range(args.reps)]
+            med = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
+            store = statistics.median(store_once(mem) for _ in range(args.reps))
+            finished = sum(b.num_rows for b in mem.batches["requests"])
+            rows.append({
+                "batch": bs, "flush_every": every, "steps": steps, "requests": finished,
+                "handovers": len(mem.batches["steps"]),
+                "req_steps_rows": sum(b.num_rows for b in mem.batches["req_steps"]),
+                "seconds": med,
+                "fold_us_per_step": 1e6 * (sum(med.values()) - med["finalize"]) / steps,
+                "estimator_ms_per_request": 1e3 * med["finalize"] / finished,
+                "store_us_per_step": 1e6 * store / steps,
+            })  # fmt: skip
+            last = rows[-1]
+            print(f"batch {bs}, every {every}: fold {last['fold_us_per_step']:.0f} us/step, "
+                  f"estimator {last['estimator_ms_per_request']:.2f} ms/request, validate + "
+                  f"store {last['store_us_per_step']:.0f} us/step", file=sys.stderr)  # fmt: skip
     command = "python " + shlex.join(sys.argv)
     lines = [
-        f"Telemetry fold CPU, tiny model, compact, {args.new_tokens} new tokens, "
-        f"{platform.processor() or platform.machine()}, medians of {args.reps}",
+        f"Sink CPU, tiny model, compact, {args.new_tokens} new tokens, "
+        f"{platform.processor() or platform.machine()}, thread CPU, medians of {args.reps}",
         "",
-        "| batch | steps | finished requests | fold us/step (all tables) | steps ms | req_steps ms "
-        "| requests ms | estimator pass ms | estimator ms/request |",
+        "| batch | steps per hand-over | hand-overs | finished requests | telemetry fold us/step "
+        "| steps / req_steps / requests fold ms | estimator pass ms | estimator ms/request "
+        "| validate + store us/step |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         s = r["seconds"]
         lines.append(
-            f"| {r['batch']} | {r['steps']} | {r['requests']} | {r['fold_us_per_step']:.0f} "
-            f"| {1e3 * s['steps']:.1f} | {1e3 * s['req_steps']:.1f} | {1e3 * s['requests']:.1f} "
-            f"| {1e3 * s['finalize']:.1f} | {r['estimator_ms_per_request']:.2f} |"
+            f"| {r['batch']} | {r['flush_every']} | {r['handovers']} | {r['requests']} "
+            f"| {r['fold_us_per_step']:.0f} | {1e3 * s['steps']:.1f} / {1e3 * s['req_steps']:.1f}"
+            f" / {1e3 * s['requests']:.1f} | {1e3 * s['finalize']:.1f} "
+            f"| {r['estimator_ms_per_request']:.2f} | {r['store_us_per_step']:.0f} |"
         )
     lines += ["", f"`{command}`"]
     print("\n".join(lines))

@@ -32,7 +32,7 @@ from dspark_obs.validation import RecordError, ValidatedBatch, check
 
 DEFAULT_QUEUE_BATCHES = 16
 """Batches a sink's queue holds before the producer waits (the engine hands over one batch
-per table every ``flush_every`` steps, so this is hundreds of steps of slack)."""
+per table every ``flush_every`` steps or every second, so this is seconds of slack)."""
 
 Clock = Callable[[], float]
 

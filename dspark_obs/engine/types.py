@@ -62,7 +62,9 @@ class EngineConfig:
     max_batch: int = 16
     cost_table: CostTable | None = None
     dp_rank: int = 0
-    flush_every: int = 32  # steps buffered before records are handed to the sinks ...
+    # steps buffered before records are handed to the sinks (each hand-over has a fixed cost:
+    # validation, one store write per table; README, "Records and sinks off the decode thread") ...
+    flush_every: int = 256
     flush_seconds: float = 1.0  # ... or this long since the last hand-over, whichever first
     estimator_rows: str = "all"  # see ESTIMATOR_ROWS
     backend: str = "auto"  # see BACKENDS
