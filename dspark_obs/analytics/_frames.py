@@ -38,12 +38,21 @@ def list_matrix(values: Sequence[Any] | pd.Series, width: int) -> np.ndarray:
     """Stack a column of lists into a float matrix [n, width]; null rows and short lists -> NaN."""
     values = list(values)
     out = np.full((len(values), max(int(width), 0)), np.nan)
-    for i, v in enumerate(values):
-        if is_missing(v):
-            continue
-        a = np.asarray(v, dtype=np.float64).ravel()
-        k = min(a.size, out.shape[1])
-        out[i, :k] = a[:k]
+    rows = [i for i, v in enumerate(values) if not is_missing(v)]
+    if not rows or out.shape[1] == 0:
+        return out
+    cells = [values[i] for i in rows]
+    try:  # one C pass over cells that are already arrays or lists of numbers
+        lengths = np.fromiter(map(len, cells), dtype=np.int64, count=len(cells))
+        flat = np.concatenate(cells).astype(np.float64, copy=False)
+    except (TypeError, ValueError):  # scalars, None inside a list: cell by cell
+        cells = [np.asarray(c, dtype=np.float64).ravel() for c in cells]
+        lengths = np.fromiter((c.size for c in cells), dtype=np.int64, count=len(cells))
+        flat = np.concatenate(cells)
+    at_row = np.repeat(np.asarray(rows, dtype=np.int64), lengths)
+    at_col = np.arange(flat.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    keep = at_col < out.shape[1]
+    out[at_row[keep], at_col[keep]] = flat[keep]
     return out
 
 
@@ -67,7 +76,13 @@ def text_column(frame: pd.DataFrame, name: str, default: str) -> np.ndarray:
     """A string column with nulls replaced (workload, run_id): group keys must not be null."""
     if name not in frame.columns:
         return np.full(len(frame), default, dtype=object)
-    return np.array([default if is_missing(v) else str(v) for v in frame[name]], dtype=object)
+    values = frame[name].to_numpy(dtype=object)
+    missing = np.asarray(pd.isna(values), dtype=bool)
+    out = values.copy()
+    out[missing] = default
+    if pd.api.types.infer_dtype(values[~missing], skipna=False) not in ("string", "empty"):
+        out = np.array([str(v) for v in out], dtype=object)  # ids stored as numbers, say
+    return out
 
 
 def request_key(run_id: Any, rid: Any) -> str:
@@ -75,10 +90,18 @@ def request_key(run_id: Any, rid: Any) -> str:
     return f"{run_id}{_KEY_SEP}{rid}"
 
 
+def request_key_array(run_ids: Any, rids: Any) -> np.ndarray:
+    """:func:`request_key` of each (run_id, rid) pair, as one object array (vectorized)."""
+    run = np.asarray(run_ids, dtype=object)
+    rid = np.asarray(rids, dtype=object)
+    try:
+        return np.asarray(run + _KEY_SEP + rid, dtype=object)
+    except TypeError:  # a non-string id: the scalar form str()s it
+        return np.array([request_key(a, b) for a, b in zip(run, rid, strict=True)], dtype=object)
+
+
 def request_keys(frame: pd.DataFrame) -> np.ndarray:
-    run = text_column(frame, "run_id", "")
-    rid = text_column(frame, "rid", "")
-    return np.array([request_key(a, b) for a, b in zip(run, rid, strict=True)], dtype=object)
+    return request_key_array(text_column(frame, "run_id", ""), text_column(frame, "rid", ""))
 
 
 def bootstrap_indices(n_items: int, n_boot: int, seed: int) -> np.ndarray:

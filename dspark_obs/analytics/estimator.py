@@ -91,6 +91,7 @@ from dspark_obs.analytics._frames import (
     is_missing,
     list_matrix,
     request_key,
+    request_key_array,
     text_column,
 )
 from dspark_obs.analytics.calibration import position_labels
@@ -200,7 +201,9 @@ def _verified_observations(
     c = np.where(row >= 0, conf[np.maximum(row, 0), pos - 1], np.nan) if len(lab) else pos * 1.0
     return pd.DataFrame(
         {
-            "request": [request_key(a, b) for a, b in zip(lab["run_id"], lab["rid"], strict=True)],
+            "request": request_key_array(
+                lab["run_id"].to_numpy(dtype=object), lab["rid"].to_numpy(dtype=object)
+            ),
             "workload": lab["workload"].to_numpy(),
             "position": pos,
             "conf": c,

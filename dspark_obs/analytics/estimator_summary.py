@@ -21,7 +21,7 @@ from dspark_obs.analytics._frames import (
     is_missing,
     list_matrix,
     quantile_interval,
-    request_key,
+    request_key_array,
 )
 from dspark_obs.analytics.estimator_tail import TailModel
 
@@ -224,7 +224,8 @@ def summarize_blocks(
             continue
         key = key if isinstance(key, tuple) else (key,)
         row: dict[str, Any] = dict(zip(by, key, strict=True))
-        reqs = np.array([request_key(a, b) for a, b in zip(g["run_id"], g["rid"], strict=True)])
+        reqs = request_key_array(g["run_id"].to_numpy(object), g["rid"].to_numpy(object))
+        reqs = reqs.astype(str)  # np.unique below sorts: one string dtype
         uniq, codes = np.unique(reqs, return_inverse=True)
         row["blocks"] = len(g)
         row["requests"] = int(uniq.size)
