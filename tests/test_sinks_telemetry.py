@@ -183,3 +183,21 @@ def test_a_port_in_use_is_a_clear_error() -> None:
         port = taken.getsockname()[1]
         with pytest.raises(ValueError, match=f"cannot serve /metrics on 127.0.0.1:{port}"):
             TelemetryProcess(port)
+
+
+def test_a_child_that_does_not_answer_is_killed_at_close_and_reported(
+    records: MemorySink,
+) -> None:
+    child = TelemetryProcess(0, reply_timeout_s=1.0)
+    child.write("runs", records.batches["runs"][0])
+    child.flush()
+    os.kill(child._proc.pid, signal.SIGSTOP)  # hung: it will never answer the close
+    child.close()  # returns (after the reply timeout) instead of hanging the run's end
+    assert child._proc.returncode == -signal.SIGKILL
+    assert len(child.errors) == 1 and "no answer to close within 1 s" in child.errors[0]
+
+
+@pytest.mark.parametrize("port", [70000, -1])
+def test_a_port_that_is_no_port_is_a_clear_error(port: int) -> None:
+    with pytest.raises(ValueError, match=f"cannot serve /metrics on 127.0.0.1:{port}"):
+        TelemetryProcess(port)

@@ -54,6 +54,7 @@ from dspark_obs.validation import RecordError
 __all__ = ["TelemetryProcess", "telemetry_sinks"]
 
 START_TIMEOUT_S = 120.0  # importing pandas, pyarrow and the OTel SDK on a slow host
+REPLY_TIMEOUT_S = 300.0  # a flush or close: an estimator pass over a backlog, an OTLP export
 _STOP = ("stop",)
 
 
@@ -100,7 +101,7 @@ def _open_sinks(
         prom = PrometheusSink(aggregator=aggregator, background=background)
         try:
             server = start_http(prom.registry, metrics_port, host)
-        except OSError as exc:
+        except (OSError, OverflowError) as exc:  # in use, not an address, not a port
             prom.close()
             raise ValueError(f"cannot serve /metrics on {host}:{metrics_port}: {exc}") from exc
         sinks.append(prom)
@@ -122,7 +123,9 @@ class TelemetryProcess:
     ``OTEL_EXPORTER_OTLP_*`` variables) folded and served by a child process.
 
     Raises ValueError when the child cannot serve what was asked (a port in use), after the
-    child has exited. ``clock`` times the waits on a full pipeline (injectable).
+    child has exited. ``clock`` times the waits on a full pipeline (injectable). A flush or
+    close the child leaves unanswered for ``reply_timeout_s`` kills it (reported in
+    :attr:`errors`), so a run never hangs at its end on its telemetry.
     """
 
     def __init__(
@@ -135,10 +138,12 @@ class TelemetryProcess:
         capacity: int = DEFAULT_QUEUE_BATCHES,
         clock: Clock = time.perf_counter,
         start_timeout_s: float = START_TIMEOUT_S,
+        reply_timeout_s: float = REPLY_TIMEOUT_S,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self._clock = clock
+        self._reply_timeout_s = reply_timeout_s
         self._stats = LaneStats(type(self).__name__, capacity)
         self._in_flight = 0
         self._lanes: Callable[[], Sequence[LaneStats]] | None = None
@@ -263,10 +268,17 @@ class TelemetryProcess:
             return False
 
     def _request(self, message: tuple) -> None:
-        """Send a control message and wait for its reply (acks on the way are counted)."""
+        """Send a control message and wait for its reply (acks on the way are counted); a
+        child that does not answer within ``reply_timeout_s`` is killed and reported."""
         if self._dead or not self._transmit(message):
             return
+        deadline = time.monotonic() + self._reply_timeout_s
         while not self._dead:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._recv.poll(left):
+                self._proc.kill()
+                self._died(f"no answer to {message[0]} within {self._reply_timeout_s:g} s")
+                return
             if self._take_replies(block=True) == "done":
                 return
 
