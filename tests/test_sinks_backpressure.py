@@ -98,3 +98,18 @@ def test_a_runs_prometheus_sink_exposes_its_own_backpressure_as_the_catalog_says
     assert got[("dspark_sink_batches_total", "PrometheusSink")] == 1
     assert got[("dspark_sink_rows_total", "MemorySink")] == 3
     fan.close()
+
+
+def test_an_inline_fanout_reports_the_fold_queue_of_a_sink_that_keeps_one() -> None:
+    from dspark_obs.sinks.prometheus import PrometheusSink
+
+    folding, inline, mem = PrometheusSink(), PrometheusSink(background=False), MemorySink()
+    fan = FanOut([folding, inline, mem])  # inline: written on the caller's thread
+    fan.emit("steps", _steps(0))
+    folding.flush()
+    own, plain, memory = fan.stats()
+    assert own.capacity == folding.queue_stats.capacity > 0  # its fold thread's queue
+    assert (own.done, own.rows) == (1, 3)  # what the fan-out wrote to it stays the fan-out's
+    assert plain.capacity == memory.capacity == 0  # no queue of their own
+    assert "max queue" in fan.summary().splitlines()[0]
+    fan.close()
