@@ -4,12 +4,14 @@
 interpreter fed record batches over a pipe (:class:`TelemetryProcess`), which is what a
 decode loop needs:
 
-Prometheus and OpenTelemetry fold every batch with numpy and pandas (and run the
-block-accept estimator on finished requests), which holds the interpreter lock for
-milliseconds at a time. On a GPU host the decode thread's work is mostly launching kernels
-from Python, so it waits for that lock: measured on an H100 the two telemetry sinks cost
-2.4-5.6% of throughput even on threads of their own, while the store, whose writes run in
-C++ without the lock, cost nothing (README, "Records and sinks off the decode thread").
+Prometheus and OpenTelemetry fold every batch with numpy, and the block-accept estimator
+runs over finished compact requests with pandas: 1.6-22 ms per request on a 2-core CPU, in
+stretches of tens of milliseconds that hold the interpreter lock throughout
+(``bench/bench_sink_fold.py``). In the engine's process every one of those milliseconds is
+one the decode thread, which mostly launches kernels from Python on a GPU host, may wait for.
+(On one H100 lease the two telemetry sinks cost 2.4-5.6% of throughput while the store alone
+cost nothing; on the next one this layout measured no better, within +-5% noise: README,
+"Records and sinks off the decode thread".)
 
 :class:`TelemetryProcess` is one RecordSink whose ``write`` only pickles the Arrow batch into
 a pipe (pyarrow's buffers, no per-row work); a child interpreter, with its own lock, runs
@@ -19,7 +21,7 @@ the same :class:`~dspark_obs.sinks.prometheus.PrometheusSink` and
 an OTLP export or an estimator pass never touches the engine's process.
 
 At most ``capacity`` batches are in flight (sent, not yet folded by the child): a writer
-that finds the child that far behind waits, counted and timed in :attr:`stats` (the
+that finds the child that far behind waits, counted and timed in :attr:`queue_stats` (the
 backpressure of :mod:`dspark_obs.sinks.backpressure`), never dropping a batch. A child that
 dies is reported in :attr:`errors` and every later batch counted ``failed``; the run and
 its store go on (telemetry never stops a run).
