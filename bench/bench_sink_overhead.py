@@ -211,8 +211,9 @@ def one_run(
 def bench_batch(models: Models, bs: int, args: Any, tmp: Path, otlp_url: str) -> dict[str, Any]:
     table = None if args.tiny else load_cost_table(args.cost_table, args.device)
     config = EngineConfig(  # compiled on a GPU, as bench_throughput.py runs it
-        mode=args.mode, gamma=5, max_batch=bs, cost_table=table, compile=args.device == "cuda"
-    )
+        mode=args.mode, gamma=5, max_batch=bs, cost_table=table, compile=args.device == "cuda",
+        flush_every=args.flush_every,
+    )  # fmt: skip
     engine = Engine(models.target, models.drafter, config, models.stop_ids)
     n = max(args.requests, args.queue_factor * bs)
     reqs = requests_for(models, n, args.new_tokens, args.tiny, args.queue_file)
@@ -257,7 +258,8 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     variants = list(results[0]["summary"])
     lines = [
         f"Sink overhead, {meta['model']} on {meta['device']}, {meta['mode']}, "
-        f"{meta['new_tokens']} new tokens, {meta['reps']} reps (median of per-rep ratios), "
+        f"{meta['new_tokens']} new tokens, records every {meta['flush_every']} steps or 1 s, "
+        f"{meta['reps']} reps (median of per-rep ratios), "
         f"{meta['torch_threads']} torch thread(s), load average {meta['load_average_1m_end']:.1f}"
         " at the end",
         "",
@@ -289,6 +291,8 @@ def main() -> None:
     ap.add_argument("--mode", default="compact")
     ap.add_argument("--cost-table", default=None, help="default: the shipped table of --device")
     ap.add_argument("--queue-batches", type=int, default=16, help="queue bound per sink")
+    ap.add_argument("--flush-every", type=int, default=EngineConfig.flush_every,
+                    help="steps per record hand-over (or one second, whichever first)")
     ap.add_argument("--scrape-interval", type=float, default=15.0)
     ap.add_argument("--export-interval", type=float, default=10.0)
     ap.add_argument("--inline", action="store_true",
@@ -325,6 +329,7 @@ def main() -> None:
         "mode": args.mode,
         "new_tokens": args.new_tokens,
         "reps": args.reps,
+        "flush_every": args.flush_every,
         "torch_threads": torch.get_num_threads(),
         "switch_interval_s": sys.getswitchinterval(),
         "load_average_1m_end": os.getloadavg()[0],  # a shared machine: how busy it was
