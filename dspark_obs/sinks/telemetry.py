@@ -153,6 +153,7 @@ class TelemetryProcess:
         self._child_errors: list[str] = []
         self._dead = False
         self._closed = False
+        self._lock = threading.Lock()  # one message in flight to the pipe at a time
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "dspark_obs.sinks.telemetry"],
             stdin=subprocess.PIPE,
@@ -233,6 +234,10 @@ class TelemetryProcess:
         return None if self._lanes is None else list(self._lanes())
 
     def _put(self, message: tuple, rows: int) -> None:
+        with self._lock:
+            self._put_locked(message, rows)
+
+    def _put_locked(self, message: tuple, rows: int) -> None:
         if self._closed:
             raise ValueError("the telemetry process is closed")
         s = self._stats
@@ -272,6 +277,10 @@ class TelemetryProcess:
     def _request(self, message: tuple) -> None:
         """Send a control message and wait for its reply (acks on the way are counted); a
         child that does not answer within ``reply_timeout_s`` is killed and reported."""
+        with self._lock:
+            self._request_locked(message)
+
+    def _request_locked(self, message: tuple) -> None:
         if self._dead or not self._transmit(message):
             return
         deadline = time.monotonic() + self._reply_timeout_s
