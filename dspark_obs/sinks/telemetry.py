@@ -147,7 +147,6 @@ class TelemetryProcess:
         self._clock = clock
         self._reply_timeout_s = reply_timeout_s
         self._stats = LaneStats(type(self).__name__, capacity)
-        self._in_flight = 0
         self._lanes: Callable[[], Sequence[LaneStats]] | None = None
         self._errors: list[str] = []  # transport problems, then the child's fold errors
         self._child_errors: list[str] = []
@@ -230,6 +229,12 @@ class TelemetryProcess:
 
     # ------------------------------------------------------------------ internals
 
+    @property
+    def _in_flight(self) -> int:
+        """Messages sent and not yet answered: every one put is done, failed or in flight."""
+        s = self._stats
+        return s.enqueued - s.done - s.failed
+
     def _lane_counters(self) -> list[LaneStats] | None:
         return None if self._lanes is None else list(self._lanes())
 
@@ -240,31 +245,25 @@ class TelemetryProcess:
     def _put_locked(self, message: tuple, rows: int) -> None:
         if self._closed:
             raise ValueError("the telemetry process is closed")
-        s = self._stats
-        if self._dead:
-            self._stats = replace(
-                s, enqueued=s.enqueued + 1, rows=s.rows + rows, failed=s.failed + 1
-            )
-            return
-        self._take_replies(block=False)
         waited = None
-        if self._in_flight >= s.capacity:
-            t0 = self._clock()
-            while self._in_flight >= s.capacity and not self._dead:
-                self._take_replies(block=True)
-            waited = self._clock() - t0
+        if not self._dead:
+            self._take_replies(block=False)
+            if self._in_flight >= self._stats.capacity:
+                t0 = self._clock()
+                while self._in_flight >= self._stats.capacity and not self._dead:
+                    self._take_replies(block=True)
+                waited = self._clock() - t0
         sent = not self._dead and self._transmit(message)
-        self._in_flight += sent
         s = self._stats
         self._stats = replace(
             s,
             enqueued=s.enqueued + 1,
             rows=s.rows + rows,
             failed=s.failed + (not sent),
-            max_depth=max(s.max_depth, self._in_flight),
             blocked=s.blocked + (waited is not None),
             blocked_seconds=s.blocked_seconds + (waited or 0.0),
         )
+        self._stats = replace(self._stats, max_depth=max(s.max_depth, self._in_flight))
 
     def _transmit(self, message: tuple) -> bool:
         try:
@@ -302,7 +301,6 @@ class TelemetryProcess:
                 kind, detail = self._recv.recv()
                 last = kind
                 if kind == "ack":
-                    self._in_flight -= 1
                     s = self._stats
                     self._stats = replace(s, done=s.done + 1)
                 elif kind == "done":
@@ -322,9 +320,7 @@ class TelemetryProcess:
             f"the telemetry process failed ({how}; exit code {code}): "
             f"{self._in_flight} batch(es) in flight not folded, later ones not sent"
         )
-        s = self._stats
-        self._stats = replace(s, failed=s.failed + self._in_flight)
-        self._in_flight = 0
+        self._stats = replace(self._stats, failed=self._stats.failed + self._in_flight)
 
     def _shutdown(self) -> None:
         for conn in (self._send, self._recv):
