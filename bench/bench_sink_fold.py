@@ -32,7 +32,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -42,30 +41,30 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from dspark_obs.analytics.estimator_live import REFIT_EVERY, RunTail
 from dspark_obs.engine.loop import Engine
-from dspark_obs.engine.types import EngineConfig, GenRequest
+from dspark_obs.engine.types import EngineConfig
 from dspark_obs.fanout import FanOut, MemorySink
 from dspark_obs.sinks import OtelSink, PrometheusSink
+from dspark_obs.sinks.serve import TABLE_ORDER
 from dspark_obs.store import Store
 from dspark_obs.testing.tiny_models import tiny_models, trimming_table
 
-TABLES = ("runs", "steps", "req_steps", "requests")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run from anywhere: a sibling bench
+from bench_sink_overhead import TINY, requests_for  # noqa: E402 - the same tiny model and requests
+
+TABLES = TABLE_ORDER  # the runs row first: labels need it
 
 
 def records(bs: int, new_tokens: int, flush_every: int) -> tuple[MemorySink, int]:
-    """One compact run's record batches at batch ``bs`` (2 requests per slot)."""
-    models = tiny_models(vocab_size=64, max_position=1024)
+    """One compact run's record batches at batch ``bs`` (2 requests per slot): the tiny model
+    and requests of ``bench_sink_overhead.py --tiny``."""
+    models = tiny_models(**TINY)
     config = EngineConfig(mode="compact", gamma=5, max_batch=bs, cost_table=trimming_table(),
                           flush_every=flush_every, flush_seconds=1e9)  # fmt: skip
     engine = Engine(models.target, models.drafter, config, models.stop_ids)
-    rng = np.random.default_rng(0)
-    reqs = [
-        GenRequest(rid=f"r{i}", prompt_ids=rng.integers(0, 64, size=12).tolist(),
-                   max_new_tokens=new_tokens, workload="chat", ignore_eos=True)
-        for i in range(2 * bs)
-    ]  # fmt: skip
+    reqs = requests_for(models, 2 * bs, new_tokens, tiny=True)
     mem = MemorySink()
     fan = FanOut([mem])
-    fan.emit("runs", [engine.run_row("b", model="tiny", drafter="tiny", workload="chat",
+    fan.emit("runs", [engine.run_row("b", model="tiny", drafter="tiny", workload="mixed",
                                      temperature=0.0, seed=0)])  # fmt: skip
     result = engine.run(reqs, fan.emit, "b")
     fan.close()

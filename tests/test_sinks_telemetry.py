@@ -25,10 +25,11 @@ from dspark_obs.engine.session import run_with_companion
 from dspark_obs.fanout import FanOut, MemorySink
 from dspark_obs.sinks import PrometheusSink
 from dspark_obs.sinks.backpressure import expose_backpressure
+from dspark_obs.sinks.serve import TABLE_ORDER
 from dspark_obs.sinks.telemetry import TelemetryProcess
 from dspark_obs.testing.tiny_models import tiny_models
 
-TABLES = ("runs", "steps", "req_steps", "requests")
+TABLES = TABLE_ORDER  # the runs row first: labels need it
 
 
 @pytest.fixture(scope="module")

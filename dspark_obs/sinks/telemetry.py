@@ -5,7 +5,7 @@ interpreter fed record batches over a pipe (:class:`TelemetryProcess`), which is
 decode loop needs:
 
 Prometheus and OpenTelemetry fold every batch with numpy, and the block-accept estimator
-runs over finished compact requests with pandas: 1.6-22 ms per request on a 2-core CPU, in
+runs over finished compact requests with pandas: 1.5-18 ms per request on a 2-core CPU, in
 stretches of tens of milliseconds that hold the interpreter lock throughout
 (``bench/bench_sink_fold.py``). In the engine's process every one of those milliseconds is
 one the decode thread, which mostly launches kernels from Python on a GPU host, may wait for.
