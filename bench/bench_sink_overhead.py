@@ -18,10 +18,13 @@ queue of ``max(--requests, --queue-factor * batch)`` requests in every variant:
                   record worker's thread (no FanOut thread; the telemetry sinks still fold
                   on their own fold threads): the layout ``dspark-obs run`` used up to
                   2026-12-07;
-* ``all-process`` (``--inline``): the store on the record worker's thread, Prometheus and
-                  OpenTelemetry in a :class:`TelemetryProcess` (a child interpreter fed
-                  over a pipe, serving /metrics itself): the layout ``dspark-obs run`` uses.
-                  Its child's CPU is not in the "process CPU" column.
+* ``telemetry-process`` (``--inline``): the store on the record worker's thread,
+                  Prometheus and OpenTelemetry in a :class:`SinkProcess` (a child interpreter
+                  fed over a pipe, serving /metrics itself): the layout ``dspark-obs run``
+                  used on 2026-12-07;
+* ``all-process`` (``--inline``): the store, Prometheus and OpenTelemetry all in one
+                  :class:`SinkProcess`, written from the record worker's thread: the layout
+                  ``dspark-obs run`` uses. A child's CPU is not in the "process CPU" column.
 
 Sinks get their own threads (``FanOut(threaded=True)``, queues of ``--queue-batches``)
 unless the variant says inline; ``--variants`` picks a subset (``none`` always runs). One
@@ -77,16 +80,16 @@ from dspark_obs.engine.session import (
 from dspark_obs.engine.types import EngineConfig, GenRequest
 from dspark_obs.fanout import FanOut, RecordSink
 from dspark_obs.sinks import OtelSink, PrometheusSink
+from dspark_obs.sinks.process import SinkProcess
 from dspark_obs.sinks.serve import start_http
-from dspark_obs.sinks.telemetry import TelemetryProcess
 from dspark_obs.store import Store
 from dspark_obs.testing.otlp_drop import start_otlp_drop
 from dspark_obs.testing.tiny_models import tiny_models
 from dspark_obs.workloads import load_traffic, mixed_traffic
 
 VARIANTS = ("none", "prometheus", "store", "all")
-INLINE = ("store-inline", "all-inline", "all-process")  # FanOut without threads: sinks on the
-# record worker (all-process: Prometheus and OTel in a child process)
+INLINE = ("store-inline", "all-inline", "telemetry-process", "all-process")  # FanOut without
+# threads: sinks on the record worker (*-process: some or all of them in a child process)
 # the --tiny models: a 64-token vocabulary, the drafter config's own Markov rank and window
 TINY = dict(vocab_size=64, max_position=1024, markov_rank=None, context_window=None,
             drafter_name="tiny")  # fmt: skip
@@ -123,10 +126,13 @@ class LiveSinks:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._servers: list[Any] = []
-        if variant in ("store", "all", "store-inline", "all-inline", "all-process"):
+        if variant in ("store", "all", "store-inline", "all-inline", "telemetry-process"):
             self.sinks.append(Store(store_dir))
-        if variant == "all-process":
-            child = TelemetryProcess(0, otlp_url, export_interval_s=args.export_interval)
+        if variant in ("telemetry-process", "all-process"):
+            child = SinkProcess(
+                store_dir if variant == "all-process" else None, 0, otlp_url,
+                export_interval_s=args.export_interval,
+            )  # fmt: skip
             self.sinks.append(child)
             self._scraped(child.url, args.scrape_interval)
         if variant in ("prometheus", "all", "all-inline"):

@@ -88,7 +88,8 @@ def run_command(
         int | None,
         typer.Option(
             help="Expose the run live at http://127.0.0.1:PORT/metrics (Prometheus), served by "
-            "a child process (with the OTLP export) so its work never slows the decode loop."
+            "the child process that also writes the store and the OTLP export, so their work "
+            "never slows the decode loop."
         ),
     ] = None,
     otlp_endpoint: Annotated[
@@ -172,49 +173,52 @@ def run_command(
         with console.status("loading SmolLM2-135M and the drafter"):
             models = load_models(drafter, device=device, sts=temps, draft_vocab=draft_vocab)
         reqs = traffic_to_requests(traffic, models.tokenizer)
-        sink = Store(store)
         from dspark_obs.sinks.backpressure import expose_backpressure
-        from dspark_obs.sinks.telemetry import telemetry_sinks
+        from dspark_obs.sinks.process import SinkProcess
 
-        live = telemetry_sinks(metrics_port, otlp_endpoint, process=True)  # own interpreter lock
-        with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=console,
-        ) as bar:
-            tasks: dict[str, int] = {}
+        # the store and the live telemetry in a child: their work never holds this
+        # process's interpreter lock, which the decode loop needs
+        sinks = SinkProcess(store, metrics_port, otlp_endpoint)
+        try:
+            with Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=console,
+            ) as bar:
+                tasks: dict[str, int] = {}
 
-            def progress(name: str, done: int, total: int) -> None:
-                if name not in tasks:
-                    tasks[name] = bar.add_task(f"{name}", total=total)
-                bar.update(tasks[name], completed=done)
+                def progress(name: str, done: int, total: int) -> None:
+                    if name not in tasks:
+                        tasks[name] = bar.add_task(f"{name}", total=total)
+                    bar.update(tasks[name], completed=done)
 
-            main, comp, fan = run_with_companion(
-                models,
-                reqs,
-                config,
-                [sink, *live],
-                rid,
-                companion=companion,
-                workload=label,
-                seed=seed,
-                extra_config={
-                    "split": split,
-                    "device": device,
-                    "cost_table_file": None if table.path is None else str(table.path),
-                    "cost_table_profiled_here": table.profiled_here,
-                },
-                progress=progress,
-                on_fan=lambda fan: expose_backpressure(fan, live),
-            )
+                main, comp, fan = run_with_companion(
+                    models,
+                    reqs,
+                    config,
+                    [sinks],
+                    rid,
+                    companion=companion,
+                    workload=label,
+                    seed=seed,
+                    extra_config={
+                        "split": split,
+                        "device": device,
+                        "cost_table_file": None if table.path is None else str(table.path),
+                        "cost_table_profiled_here": table.profiled_here,
+                    },
+                    progress=progress,
+                    on_fan=lambda fan: expose_backpressure(fan, [sinks]),
+                )
+        finally:
+            sinks.close()  # everything stored; the child released the store
+        stored = Store(store)
         for r in (main, comp):
             if r is not None:
-                sink.compact(run_id=r.run_id)  # one segment per table: faster queries
-        sink.close()
-        for live_sink in live:
-            live_sink.close()
+                stored.compact(run_id=r.run_id)  # one segment per table: faster queries
+        stored.close()
     except (EngineError, CostTableError, WorkloadFileError, StoreError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
@@ -243,7 +247,7 @@ def run_command(
         console.print(
             f"[yellow]{len(fan.errors)} records rejected[/yellow]; first: {fan.errors[0]}"
         )
-    telemetry_errors = [e for s in live for e in getattr(s, "errors", [])]
+    telemetry_errors = sinks.errors
     if telemetry_errors:  # the store has every row; only the live view missed some
         console.print(
             f"[yellow]live telemetry: {len(telemetry_errors)} error(s)[/yellow]; "

@@ -144,8 +144,9 @@ def run_with_companion(
     ``sinks.backpressure.expose_backpressure``). The sinks write on the engine's record
     worker thread (off the decode thread, behind its bounded queue), not on threads of their
     own: on the H200 a thread per sink cost 2-6.5% of throughput, the record worker's thread
-    0.0-0.7% (fanout's docstring). ``dspark-obs run`` passes the store and, for live
-    telemetry, a :class:`~dspark_obs.sinks.telemetry.TelemetryProcess`.
+    0.0-0.7% (fanout's docstring). ``dspark-obs run`` passes one
+    :class:`~dspark_obs.sinks.process.SinkProcess`: the store and the live telemetry in a
+    child interpreter, so what they do never holds this process's interpreter lock.
 
     Everything is checked (requests, gamma, tables) before the first record is emitted.
     """

@@ -57,7 +57,7 @@ def expose_backpressure(fan: FanOut, sinks: Iterable[object]) -> int:
     """Register ``LaneCollector(fan.stats)`` in the registry of every sink that serves one
     (a :class:`~dspark_obs.sinks.prometheus.PrometheusSink`), or hand ``fan.stats`` to a
     sink that serves /metrics from another process (``follow_backpressure``: a
-    :class:`~dspark_obs.sinks.telemetry.TelemetryProcess`), so the run's /metrics carries its
+    :class:`~dspark_obs.sinks.process.SinkProcess`), so the run's /metrics carries its
     own backpressure live; returns how many sinks got it."""
     registered = 0
     for sink in sinks:

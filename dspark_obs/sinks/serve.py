@@ -2,8 +2,9 @@
 
 Three feeds, one aggregation (:class:`~dspark_obs.sinks.stats.Aggregator`):
 
-* a run's own: :func:`~dspark_obs.sinks.telemetry.telemetry_sinks` gives the sinks
-  ``dspark-obs run --metrics-port`` adds to its FanOut;
+* a run's own: :func:`~dspark_obs.sinks.telemetry.telemetry_sinks` gives the sinks a
+  producer adds to its FanOut (``dspark-obs run`` runs the same ones in a
+  :class:`~dspark_obs.sinks.process.SinkProcess`);
 * :class:`StoreFollower`: polls a store directory and folds every row it has not seen yet,
   whoever wrote it. On start it reads everything the store holds, so counters resume from
   the store's totals after a restart of serve instead of going back to zero;
