@@ -250,6 +250,12 @@ def bench_batch(models: Models, bs: int, args: Any, tmp: Path, otlp_url: str) ->
             "blocked": sum(ln["blocked"] for r in reps for ln in r[v]["lanes"]),
             "blocked_seconds": sum(ln["blocked_seconds"] for r in reps for ln in r[v]["lanes"]),
             "median_close_seconds": statistics.median(r[v]["close_seconds"] for r in reps),
+            # time in the sinks' write calls, wherever they ran (the record worker's thread,
+            # inline): what the producer's process paid for its sinks
+            "median_write_seconds": statistics.median(
+                sum(ln["work_seconds"] for ln in r[v]["lanes"]) for r in reps
+            ),
+            "median_seconds": statistics.median(r[v]["seconds"] for r in reps),
             "decode_cpu_ratio": statistics.median(
                 r[v]["decode_thread_cpu_s"] / r["none"]["decode_thread_cpu_s"] for r in reps
             ),
@@ -270,8 +276,9 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         " at the end",
         "",
         "| batch | variant | tok/s | tok/s / none | decode-thread CPU / none "
-        "| process CPU / none | producer blocked (s) | max queue | close s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| process CPU / none | producer blocked (s) | max queue | sink writes s / run s "
+        "| close s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for res in results:
         for v in variants:
@@ -280,6 +287,7 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 f"| {res['batch']} | {v} | {s['median_tok_s']:.1f} | {s['median_ratio']:.4f} "
                 f"| {s['decode_cpu_ratio']:.4f} | {s['process_cpu_ratio']:.4f} "
                 f"| {s['blocked']}x ({s['blocked_seconds']:.3f}) | {s['max_queue_depth']} "
+                f"| {s['median_write_seconds']:.3f} / {s['median_seconds']:.2f} "
                 f"| {s['median_close_seconds']:.3f} |"
             )
     lines += ["", f"`{meta['command']}`"]
