@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shlex
@@ -170,6 +171,22 @@ class LiveSinks:
             s.close()
 
 
+def median_interval(values: list[float], level: float = 0.9) -> tuple[float, float, float]:
+    """A distribution-free interval for the median of ``values``: the k-th smallest and the
+    k-th largest, with the largest k whose coverage 1 - 2 P(Binomial(n, 1/2) < k) is at
+    least ``level`` (k = 1, min to max, up to 7 values at 90%). Returns (low, high, coverage):
+    a ratio's median is an estimate, and with repetitions spread +-5% this says how far."""
+    xs, n = sorted(values), len(values)
+
+    def coverage(k: int) -> float:
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
+
+    k = 1
+    while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= level:
+        k += 1
+    return xs[k - 1], xs[n - k], coverage(k)
+
+
 def variant_list(text: str | None, inline: bool) -> list[str]:
     """The variants a run compares, ``none`` (the baseline every ratio divides by) first."""
     if text is None:
@@ -244,6 +261,7 @@ def bench_batch(models: Models, bs: int, args: Any, tmp: Path, otlp_url: str) ->
         summary[v] = {
             "median_tok_s": statistics.median(r[v]["tok_s"] for r in reps),
             "median_ratio": statistics.median(ratios),
+            "median_ratio_interval": median_interval(ratios),
             "ratios": ratios,
             "max_queue_depth": max((ln["max_depth"] for r in reps for ln in r[v]["lanes"]),
                                    default=0),
@@ -275,7 +293,7 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{meta['torch_threads']} torch thread(s), load average {meta['load_average_1m_end']:.1f}"
         " at the end",
         "",
-        "| batch | variant | tok/s | tok/s / none | decode-thread CPU / none "
+        "| batch | variant | tok/s | tok/s / none (interval, coverage) | decode-thread CPU / none "
         "| process CPU / none | producer blocked (s) | max queue | sink writes s / run s "
         "| close s |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -283,8 +301,10 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     for res in results:
         for v in variants:
             s = res["summary"][v]
+            lo, hi, cov = s["median_ratio_interval"]
             lines.append(
                 f"| {res['batch']} | {v} | {s['median_tok_s']:.1f} | {s['median_ratio']:.4f} "
+                f"({lo:.3f}-{hi:.3f}, {cov:.0%}) "
                 f"| {s['decode_cpu_ratio']:.4f} | {s['process_cpu_ratio']:.4f} "
                 f"| {s['blocked']}x ({s['blocked_seconds']:.3f}) | {s['max_queue_depth']} "
                 f"| {s['median_write_seconds']:.3f} / {s['median_seconds']:.2f} "
