@@ -25,6 +25,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from test_sinks_otel import _decode, receiver  # noqa: F401 - the fixture
 from test_sinks_prometheus import tiny_requests, trimming_config
+from test_store import _table_snapshot
 
 from dspark_obs.engine.session import run_with_companion
 from dspark_obs.fanout import FanOut, MemorySink, SinkError
@@ -213,11 +214,11 @@ def test_a_port_that_is_no_port_is_a_clear_error(port: int) -> None:
 # ---------------------------------------------------------------------- the store in the child
 
 
-def stored(root: Path) -> dict[str, list[dict]]:
-    """Every table of a store, its rows sorted, read back through the store's own views."""
+def stored(root: Path) -> dict[str, pa.Table]:
+    """Every table of a store in key order, read back through the store's own views."""
     st = Store(root)
     try:
-        return {t: sorted(st.query(f"SELECT * FROM {t}").to_pylist(), key=repr) for t in TABLES}
+        return _table_snapshot(st)
     finally:
         st.close()
 
@@ -243,7 +244,7 @@ def test_the_childs_store_holds_what_a_store_here_holds(records: MemorySink, tmp
         child.close()
     assert child.errors == [] and child._proc.returncode == 0
     rows = stored(tmp_path / "child")
-    assert len(rows["requests"]) == sum(b.num_rows for b in records.batches["requests"])
+    assert rows["requests"].num_rows == sum(b.num_rows for b in records.batches["requests"])
 
 
 def test_a_store_write_that_fails_in_the_child_stops_the_producer(
@@ -265,7 +266,7 @@ def test_a_store_write_that_fails_in_the_child_stops_the_producer(
     with pytest.raises(SinkError):
         child.close()
     holder.close()
-    assert len(stored(tmp_path)["runs"]) == 1  # what was acknowledged stays
+    assert stored(tmp_path)["runs"].num_rows == 1  # what was acknowledged stays
 
 
 def test_a_dead_child_that_held_the_store_stops_the_producer(records: MemorySink, tmp_path):
@@ -280,7 +281,7 @@ def test_a_dead_child_that_held_the_store_stops_the_producer(records: MemorySink
         child.flush()
     with pytest.raises(SinkError):
         child.close()
-    assert len(stored(tmp_path)["runs"]) == 1
+    assert stored(tmp_path)["runs"].num_rows == 1
 
 
 PRODUCER = """
@@ -328,7 +329,7 @@ def test_a_killed_parent_loses_nothing_it_sent(records: MemorySink, tmp_path) ->
         pytest.fail("the sink process outlived its parent by a minute")
     rows = stored(tmp_path / "store")
     for table in TABLES:
-        assert len(rows[table]) == records.table(table).num_rows, table
+        assert rows[table].num_rows == records.table(table).num_rows, table
 
 
 def test_a_store_that_cannot_be_opened_is_a_store_error(tmp_path) -> None:
